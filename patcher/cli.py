@@ -1,0 +1,250 @@
+"""The dsfix command line: parse options, call the pipeline, print, map results to exit codes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from patcher import __version__
+from patcher.errors import ERROR, DsfixError
+
+try:  # typer >= 0.22 vendors click
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exc
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Make DeepSpeed-Chat save tied-weight models (Qwen3 and friends) correctly, as safetensors.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+_debug = {"on": False}
+
+
+class Strategy(str, Enum):
+    clone = "clone"
+    dedupe = "dedupe"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class DType(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+REPO_ARG = typer.Argument(".", help="The DeepSpeed-Chat folder, a DeepSpeedExamples checkout, or any folder inside.")
+JSON_OPT = typer.Option(False, "--json", help="Print a machine-readable result on stdout.")
+STEP_OPT = typer.Option(
+    [1], "--step", help="Steps whose main.py to patch (repeatable). Step 2 breaks step 3's critic loader: see README."
+)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"dsfix {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show a traceback on errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+):
+    _debug["on"] = debug
+
+
+def _print_files(outcome) -> None:
+    for f in outcome.files:
+        style = {"refused": "red", "would change": "yellow", "changed": "green"}.get(f.status, "")
+        counts = f" (+{f.added} -{f.removed})" if f.added or f.removed else ""
+        err.print(f"  [{style}]{f.status}[/]: {f.rel}{counts}" if style else f"  {f.status}: {f.rel}{counts}")
+        for n in f.notes:
+            err.print(f"      {n}", markup=False)
+    for w in outcome.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+
+
+def _finish(outcome, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(outcome.to_json(), indent=2) + "\n")
+    raise typer.Exit(outcome.exit_code)
+
+
+@app.command()
+def check(
+    repo: Path = REPO_ARG,
+    strategy: Strategy = typer.Option(Strategy.clone, help="How to save tied weights (see apply)."),
+    step: List[int] = STEP_OPT,
+    as_json: bool = JSON_OPT,
+):
+    """Print the diff apply would make; write nothing. Exit 0: nothing to do, 1: changes pending, 2: error."""
+    from patcher import pipeline
+
+    outcome = pipeline.check(repo, strategy.value, _steps(step))
+    if not as_json:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(outcome.diff)
+        sys.stdout.buffer.flush()
+    err.print(f"dsfix check: {outcome.checkout.root} ({outcome.checkout.layout} layout)", markup=False)
+    _print_files(outcome)
+    err.print(outcome.message, markup=False)
+    _finish(outcome, as_json)
+
+
+@app.command()
+def apply(
+    repo: Path = REPO_ARG,
+    strategy: Strategy = typer.Option(
+        Strategy.clone, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
+        "dedupe: transformers' layout, the alias dropped (310)."
+    ),
+    step: List[int] = STEP_OPT,
+    as_json: bool = JSON_OPT,
+):
+    """Patch the checkout: all files or none. Exit 0: applied or already applied, 2: error (nothing written)."""
+    from patcher import pipeline
+
+    outcome = pipeline.apply(repo, strategy.value, _steps(step))
+    err.print(f"dsfix apply: {outcome.checkout.root} ({outcome.checkout.layout} layout)", markup=False)
+    _print_files(outcome)
+    err.print(outcome.message, markup=False)
+    _finish(outcome, as_json)
+
+
+@app.command()
+def revert(
+    repo: Path = REPO_ARG,
+    force: bool = typer.Option(False, "--force", "-f", help="Restore originals even over later edits (kept beside as *.dsfix-edited)."),
+    as_json: bool = JSON_OPT,
+):
+    """Undo apply. Exit 0: restored or nothing to restore, 1: refused because files changed, 2: error."""
+    from patcher import pipeline
+
+    outcome = pipeline.revert(repo, force=force)
+    err.print(f"dsfix revert: {outcome.checkout.root} ({outcome.checkout.layout} layout)", markup=False)
+    _print_files(outcome)
+    err.print(outcome.message, markup=False)
+    _finish(outcome, as_json)
+
+
+def _steps(step) -> tuple:
+    bad = [s for s in step if s not in (1, 2, 3)]
+    if bad:
+        raise DsfixError(f"--step must be 1, 2 or 3, not {bad[0]}")
+    return tuple(step) or (1,)
+
+
+def _table(title: str, checks) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for name, ok, detail in checks:
+        table.add_row(name, "[green]ok[/]" if ok else "[red]FAIL[/]", str(detail))
+    return table
+
+
+@app.command()
+def verify(
+    folder: Path = typer.Argument(..., help="A saved model folder (config.json plus safetensors weights)."),
+    expect: Optional[int] = typer.Option(None, help="The number of tensors the file must hold."),
+    load: bool = typer.Option(True, help="Also load the folder with from_pretrained."),
+    as_json: bool = JSON_OPT,
+):
+    """Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input."""
+    from patcher.verify import verify_folder
+
+    report = verify_folder(folder, expect=expect, load=load)
+    err.print(_table(f"dsfix verify {folder}", report.checks))
+    err.print(f"{'all checks hold' if report.ok else 'verification FAILED'}: {report.tensors} tensors", markup=False)
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command()
+def smoke(
+    repo: Path = REPO_ARG,
+    device: Device = typer.Option(Device.auto, help="auto: CUDA when available."),
+    dtype: DType = typer.Option(DType.bf16),
+    zero_stage: int = typer.Option(0, "--zero-stage", min=0, max=3, help="1-3 wrap the model in a DeepSpeed engine."),
+    nproc: int = typer.Option(1, min=1, help="Ranks to start (through torch's launcher)."),
+    expect: Optional[int] = typer.Option(None, help="Tensors expected (default: 311 for the bundled Qwen3-0.6B config)."),
+    keep: Optional[Path] = typer.Option(None, help="Keep the saved folder here."),
+    model: Optional[Path] = typer.Option(None, help="A model folder with real weights instead of the bundled config."),
+    config: Optional[Path] = typer.Option(None, help="A config.json to build a random model from."),
+    as_json: bool = JSON_OPT,
+):
+    """Run the checkout's save on a real Qwen3 model, then verify it. Exit 0: all checks hold, 1: a check failed, 2: error."""
+    from patcher.locate import find_checkout
+    from patcher.smoke import run_smoke
+
+    checkout = find_checkout(repo)
+    kwargs = dict(device=device.value, dtype=dtype.value, zero_stage=zero_stage, nproc=nproc, keep=keep,
+                  model_dir=model, config_path=config, console=err)
+    if expect is not None:
+        kwargs["expect"] = expect
+    report = run_smoke(checkout, **kwargs)
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command()
+def demo(
+    device: Device = typer.Option(Device.auto, help="Device for the smoke save."),
+    keep: Optional[Path] = typer.Option(None, help="Keep the demo checkout here instead of a temporary folder."),
+):
+    """Check, apply, smoke and revert on the bundled example checkout."""
+    from patcher.demo import run_demo
+
+    raise typer.Exit(run_demo(err, device=device.value, keep=keep))
+
+
+def main(argv=None) -> None:
+    """Console entry point: one line on stderr and a documented exit code for every error."""
+    try:
+        rc = app(args=argv, standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except click_exc.ClickException as e:
+        if _debug["on"]:
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":
+            err.print(e.format_message(), markup=False)
+            sys.exit(0)
+        err.print(f"dsfix: error: {e.format_message()}", markup=False)
+        sys.exit(ERROR)
+    except typer.Abort:
+        err.print("dsfix: interrupted", markup=False)
+        sys.exit(130)
+    except DsfixError as e:
+        if _debug["on"]:
+            raise
+        err.print(f"dsfix: error: {e}", markup=False)
+        sys.exit(e.code)
+    except KeyboardInterrupt:
+        err.print("dsfix: interrupted; every file is as it was or wholly patched", markup=False)
+        sys.exit(130)
+    except Exception as e:  # an unexpected failure: still one line, unless --debug
+        if _debug["on"] or "--debug" in (argv or sys.argv):
+            raise
+        err.print(f"dsfix: internal error: {type(e).__name__}: {e} (run with --debug for a traceback)", markup=False)
+        sys.exit(ERROR)

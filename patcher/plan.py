@@ -1,0 +1,168 @@
+"""Pure planning: the bytes of each target file in, the new bytes out, plus what changed and why.
+
+Nothing here reads or writes files; ``patcher.state`` does the I/O. Every new text is re-parsed
+(libcst and ``compile``) before it is offered, so apply never writes a file that does not parse.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from patcher import transforms
+from patcher.diff import split_lines
+from patcher.errors import DsfixError
+from patcher.template import Template
+
+STEP2_WARNING = (
+    "step 2 will save model.safetensors, but step 3's critic loader (create_critic_model with "
+    "rlhf_training=True) asserts that pytorch_model.bin exists in the step-2 output: step 3 will not "
+    "start from this step-2 output unless you also adapt that loader"
+)
+
+
+@dataclass(frozen=True)
+class FileChange:
+    rel: str  # path relative to the checkout root, with "/"
+    role: str  # "utils" or "step1" / "step2" / "step3"
+    old: bytes
+    new: bytes
+    notes: tuple = ()
+
+    @property
+    def changed(self) -> bool:
+        return self.old != self.new
+
+
+@dataclass(frozen=True)
+class Plan:
+    changes: tuple
+    strategy: str
+    template_version: int
+    warnings: tuple = ()
+
+    @property
+    def pending(self) -> list:
+        return [c for c in self.changes if c.changed]
+
+
+def parse(data: bytes, rel: str) -> cst.Module:
+    try:
+        return cst.parse_module(data)
+    except cst.ParserSyntaxError as e:
+        raise DsfixError(f"does not parse: {e.message.strip()}", path=rel, line=e.raw_line) from None
+    except (UnicodeDecodeError, LookupError, SyntaxError) as e:
+        raise DsfixError(f"cannot be decoded: {e}", path=rel) from None
+
+
+def render(module: cst.Module, rel: str) -> bytes:
+    """The module's bytes in its own encoding, re-parsed to be sure they are valid Python."""
+    try:
+        data = module.bytes
+    except UnicodeEncodeError as e:
+        raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
+    cst.parse_module(data)
+    try:
+        compile(data, rel, "exec", dont_inherit=True)
+    except SyntaxError as e:  # pragma: no cover - libcst accepted it, so this is a dsfix bug
+        raise DsfixError(f"dsfix produced code that does not compile: {e.msg}", path=rel, line=e.lineno)
+    return data
+
+
+def utils_modules(layout_module: str) -> tuple:
+    return tuple(dict.fromkeys((layout_module, *transforms.UTILS_MODULES)))
+
+
+def plan_utils(old: bytes, rel: str, tpl: Template, strategy: str) -> FileChange:
+    res = transforms.patch_utils(parse(old, rel), tpl, strategy)
+    new = render(res.module, rel) if res.changed else old
+    return FileChange(rel, "utils", old, new, tuple(res.notes))
+
+
+def plan_main(old: bytes, rel: str, step: int, modules: tuple) -> FileChange:
+    try:
+        res = transforms.patch_main(parse(old, rel), modules)
+    except DsfixError as e:
+        raise DsfixError(e.message, e.code, path=rel) from None
+    new = render(res.module, rel) if res.changed else old
+    return FileChange(rel, f"step{step}", old, new, tuple(res.notes))
+
+
+def make_plan(files: dict, roles: dict, tpl: Template, strategy: str, layout_module: str) -> Plan:
+    """``files``: rel -> bytes; ``roles``: rel -> "utils" | "step1" | "step2" | "step3"."""
+    changes, warnings = [], []
+    modules = utils_modules(layout_module)
+    for rel, role in roles.items():
+        try:
+            if role == "utils":
+                changes.append(plan_utils(files[rel], rel, tpl, strategy))
+            else:
+                changes.append(plan_main(files[rel], rel, int(role[-1]), modules))
+        except DsfixError as e:
+            if e.path is None:
+                e.path = rel
+            raise
+        if role == "step2":
+            warnings.append(STEP2_WARNING)
+    return Plan(tuple(changes), strategy, tpl.version, tuple(warnings))
+
+
+# ----------------------------------------------------------------------------- revert
+
+
+def unpatch(data: bytes, rel: str, role: str, layout_module: str) -> bytes:
+    """Undo dsfix's change structurally; the user's other edits stay."""
+    module = parse(data, rel)
+    try:
+        if role == "utils":
+            res = transforms.unpatch_utils(module)
+        else:
+            res = transforms.unpatch_main(module, utils_modules(layout_module))
+    except DsfixError as e:
+        raise DsfixError(e.message, e.code, path=rel) from None
+    return render(res.module, rel) if res.changed else data
+
+
+def dsfix_block(data: bytes) -> str:
+    """dsfix's inserted statements (and the marker), as text, to tell whether a user edited them."""
+    module = cst.parse_module(data)
+    parts = []
+    for stmt in module.body:
+        name = transforms._defined_name(stmt)
+        if name is not None and transforms.is_dsfix_name(name):
+            parts.append(module.code_for_node(stmt))
+    return "".join(parts)
+
+
+def _lines(data: bytes) -> list:
+    return split_lines(data)
+
+
+def _hunks(a: list, b: list) -> list:
+    sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return [(i1, i2, b[j1:j2]) for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag != "equal"]
+
+
+def merge3(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
+    """Apply both ``base -> ours`` and ``base -> theirs``; None when their hunks touch (a conflict)."""
+    b = _lines(base)
+    h1, h2 = _hunks(b, _lines(ours)), _hunks(b, _lines(theirs))
+    for a1, a2, _ in h1:
+        for c1, c2, _ in h2:
+            if a1 <= c2 and c1 <= a2:
+                return None
+    out = list(b)
+    for i1, i2, repl in sorted(h1 + h2, key=lambda h: h[0], reverse=True):
+        out[i1:i2] = repl
+    return b"".join(out)
+
+
+@dataclass
+class RevertOutcome:
+    rel: str
+    new: bytes | None  # None: refused
+    how: str  # "restored", "merged", "structural", "unchanged", "refused"
+    reason: str = ""
+    notes: list = field(default_factory=list)

@@ -1,0 +1,491 @@
+"""libcst transformations: insert the template into utils.py, rename the save calls and imports in main.py.
+
+Every function here takes a parsed ``libcst.Module`` and returns a new one plus notes; none does I/O.
+Each edit has an exact inverse (``unpatch_*``), so a revert without the state folder still restores
+the original bytes when the file was not edited afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, ScopeProvider
+
+from patcher.errors import DsfixError
+from patcher.template import PUBLIC_NAMES, ImportSpec, Template, _defined_name, dotted, is_dsfix_name
+
+# old name in DeepSpeed-Chat -> the name dsfix's template defines
+RENAMES = {
+    "save_hf_format": "save_hf_format_safetensors",
+    "save_zero_three_model": "save_zero_three_model_safetensors",
+}
+UTILS_MODULES = ("dschat.utils.utils", "utils.utils")
+MARKER_PREFIX = "# dsfix:"
+MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
+
+
+@dataclass
+class Result:
+    module: cst.Module
+    notes: list = field(default_factory=list)
+    changed: bool = False
+
+
+# ----------------------------------------------------------------------------- the marker line
+
+
+def make_marker(version: int, strategy: str, added: list, replaced: list) -> str:
+    fields = [f"template=v{version}", f"strategy={strategy}"]
+    if added:
+        fields.append("added-imports=" + ",".join(s.token for s in added))
+    if replaced:
+        fields.append("replaced=" + ",".join(replaced))
+    return f"{MARKER_PREFIX} {' '.join(fields)} -- inserted by dsfix; undo with `dsfix revert`"
+
+
+def parse_marker(text: str) -> dict | None:
+    m = MARKER_RE.match(text)
+    if not m:
+        return None
+    out = {}
+    for tok in m.group("fields").split():
+        key, _, value = tok.partition("=")
+        out[key] = value
+    return out if "template" in out else None
+
+
+def find_marker(module: cst.Module) -> dict | None:
+    for stmt in module.body:
+        for line in getattr(stmt, "leading_lines", ()):
+            if line.comment is not None:
+                info = parse_marker(line.comment.value)
+                if info is not None:
+                    return info
+    return None
+
+
+# ----------------------------------------------------------------------------- import lists
+
+
+def _comma(after: str = " ") -> cst.Comma:
+    return cst.Comma(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(after))
+
+
+def insert_alias_after(names: list, pos: int, new: cst.ImportAlias) -> list:
+    """Insert ``new`` after ``names[pos]``, in the list's own comma style (exact inverse: remove_alias)."""
+    names = list(names)
+    if pos < len(names) - 1:
+        return names[: pos + 1] + [new.with_changes(comma=names[pos].comma)] + names[pos + 1 :]
+    last = names[-1]
+    if isinstance(last.comma, cst.Comma):  # a trailing comma, as in a parenthesised list over several lines
+        sep = names[-2].comma if len(names) > 1 else _comma()
+        return names[:-1] + [last.with_changes(comma=sep), new.with_changes(comma=last.comma)]
+    return names[:-1] + [last.with_changes(comma=_comma()), new.with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+
+
+def remove_alias(names: list, k: int) -> list:
+    names = list(names)
+    if k == len(names) - 1 and k > 0:
+        return names[: k - 1] + [names[k - 1].with_changes(comma=names[k].comma)]
+    return names[:k] + names[k + 1 :]
+
+
+def _alias_name(alias: cst.ImportAlias) -> str:
+    return dotted(alias.name)
+
+
+def _bound_name(alias: cst.ImportAlias) -> str:
+    if alias.asname is not None:
+        return alias.asname.name.value
+    return _alias_name(alias).split(".")[0]
+
+
+# ----------------------------------------------------------------------------- utils.py
+
+
+def _module_scope_statements(body):
+    """Top-level statements, descending into if/try/with blocks but never into defs or classes."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While)) or type(stmt).__name__ == "TryStar":
+            blocks = [stmt.body]
+            blocks += [getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
+            blocks += [h.body for h in getattr(stmt, "handlers", ())]
+            for b in blocks:
+                while b is not None and not isinstance(b, (cst.IndentedBlock, cst.SimpleStatementSuite)):
+                    b = getattr(b, "body", None)  # Else / Finally / elif (If) wrappers
+                if b is not None:
+                    yield from _module_scope_statements(b.body)
+            if isinstance(stmt, cst.If) and isinstance(stmt.orelse, cst.If):
+                yield from _module_scope_statements([stmt.orelse])
+
+
+def _imports_present(module: cst.Module, spec: ImportSpec) -> bool:
+    for stmt in _module_scope_statements(module.body):
+        if not isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
+            continue
+        for small in stmt.body:
+            if spec.name is None and isinstance(small, cst.Import):
+                if any(_alias_name(a) == spec.module and a.asname is None for a in small.names):
+                    return True
+            if spec.name is not None and isinstance(small, cst.ImportFrom) and not small.relative:
+                if small.module is not None and dotted(small.module) == spec.module and not isinstance(
+                    small.names, cst.ImportStar
+                ):
+                    if any(_alias_name(a) == spec.name and a.asname is None for a in small.names):
+                        return True
+    return False
+
+
+def _top_import(stmt) -> cst.BaseSmallStatement | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        small = stmt.body[0]
+        if isinstance(small, (cst.Import, cst.ImportFrom)):
+            return small
+    return None
+
+
+def _import_insert_index(body) -> int:
+    """After the last top-level import that comes before the first def or class (or after a docstring)."""
+    idx = 0
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            break
+        if _top_import(stmt) is not None:
+            idx = i + 1
+        elif i == 0 and isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr):
+            idx = max(idx, 1)
+    return idx
+
+
+def _add_imports(module: cst.Module, specs) -> tuple:
+    """Add the imports that are missing, merged into an existing `from M import ...` when there is one."""
+    body = list(module.body)
+    added = []
+    for spec in specs:
+        if _imports_present(module.with_changes(body=body), spec):
+            continue
+        merged = False
+        if spec.name is not None:
+            for i, stmt in enumerate(body):
+                small = _top_import(stmt)
+                if (
+                    isinstance(small, cst.ImportFrom)
+                    and not small.relative
+                    and small.module is not None
+                    and dotted(small.module) == spec.module
+                    and not isinstance(small.names, cst.ImportStar)
+                ):
+                    names = insert_alias_after(small.names, len(small.names) - 1, cst.ImportAlias(cst.Name(spec.name)))
+                    body[i] = stmt.with_changes(body=[small.with_changes(names=names)])
+                    merged = True
+                    break
+        if not merged:
+            new = cst.parse_statement(spec.source() + module.default_newline, config=module.config_for_parsing)
+            body.insert(_import_insert_index(body), new)
+        added.append(spec)
+    return module.with_changes(body=body), added
+
+
+def _remove_import(body: list, spec: ImportSpec) -> list:
+    for i, stmt in enumerate(body):
+        small = _top_import(stmt)
+        if small is None or isinstance(small.names, cst.ImportStar):
+            continue
+        if spec.name is None and isinstance(small, cst.Import):
+            want = spec.module
+        elif (
+            spec.name is not None
+            and isinstance(small, cst.ImportFrom)
+            and small.module is not None
+            and not small.relative
+            and dotted(small.module) == spec.module
+        ):
+            want = spec.name
+        else:
+            continue
+        for k, alias in enumerate(small.names):
+            if _alias_name(alias) == want and alias.asname is None:
+                if len(small.names) == 1:
+                    return body[:i] + body[i + 1 :]
+                body = list(body)
+                body[i] = stmt.with_changes(body=[small.with_changes(names=remove_alias(small.names, k))])
+                return body
+    return body
+
+
+def _block_statements(module: cst.Module, tpl: Template, marker: str) -> list:
+    """Parse the template's code in the target file's own indentation and newline style."""
+    text = tpl.body
+    indent = module.default_indent
+    if indent != "    ":
+        lines = []
+        for line in text.split("\n"):
+            stripped = line.lstrip(" ")
+            n = len(line) - len(stripped)
+            lines.append(indent * (n // 4) + " " * (n % 4) + stripped)
+        text = "\n".join(lines)
+    text = text.replace("\n", module.default_newline)
+    block = cst.parse_module(text, config=module.config_for_parsing)
+    stmts = list(block.body)
+    lead = [cst.EmptyLine(), cst.EmptyLine(), cst.EmptyLine(comment=cst.Comment(marker))]
+    stmts[0] = stmts[0].with_changes(leading_lines=lead)
+    return stmts
+
+
+def patch_utils(module: cst.Module, tpl: Template, strategy: str) -> Result:
+    """Insert (or upgrade) dsfix's block right after save_hf_format, plus the imports it needs."""
+    notes = []
+    base = module
+    if find_marker(module) is not None:
+        base = unpatch_utils(module, keep_replaced=True).module
+    body = list(base.body)
+    anchor = next((i for i, s in enumerate(body) if isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format"), None)
+    if anchor is None:
+        raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
+    replaced, position = [], None
+    for i in reversed(range(len(body))):
+        name = _defined_name(body[i])
+        if name is not None and is_dsfix_name(name):
+            replaced.append(name)
+            position = i
+            del body[i]
+            if i < anchor:
+                anchor -= 1
+    replaced.reverse()
+    info = find_marker(module)
+    if info and info.get("replaced"):
+        replaced = info["replaced"].split(",") + [r for r in replaced if r not in info["replaced"].split(",")]
+    for name in replaced:
+        notes.append(f"replaced a hand-written {name} with dsfix's (the original is kept for `dsfix revert`)")
+    base = base.with_changes(body=body)
+    base, added = _add_imports(base, tpl.imports)
+    shift = len(base.body) - len(body)  # imports inserted before the anchor
+    body = list(base.body)
+    at = (position + shift) if position is not None else anchor + shift + 1
+    if info and info.get("added-imports"):
+        added = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")] + [
+            a for a in added if a.token not in info["added-imports"].split(",")
+        ]
+    marker = make_marker(tpl.version, strategy, added, replaced)
+    body[at:at] = _block_statements(base, tpl, marker)
+    new = base.with_changes(body=body)
+    if added and not info:
+        notes.append("added imports: " + ", ".join(s.source() for s in added))
+    return Result(new, notes, changed=new.code != module.code)
+
+
+def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> Result:
+    """Remove dsfix's block and the imports it added (as recorded in its marker line)."""
+    info = find_marker(module)
+    if info is None:
+        return Result(module, [], changed=False)
+    if info.get("replaced") and not keep_replaced:
+        raise DsfixError(
+            f"dsfix replaced a hand-written {info['replaced']} here; its text is kept only in the state folder, "
+            "which is gone, so it cannot be restored structurally",
+            code=1,
+        )
+    body = [s for s in module.body if not ((n := _defined_name(s)) is not None and is_dsfix_name(n))]
+    for tok in (info.get("added-imports") or "").split(","):
+        if tok:
+            body = _remove_import(body, ImportSpec.from_token(tok))
+    new = module.with_changes(body=body)
+    return Result(new, ["removed dsfix's save_hf_format_safetensors block"], changed=True)
+
+
+def utils_has_save(module: cst.Module) -> bool:
+    return any(_defined_name(s) == PUBLIC_NAMES[0] for s in module.body)
+
+
+# ----------------------------------------------------------------------------- main.py
+
+
+def _realign(original: cst.Call, call: cst.Call, position, delta: int) -> cst.Call:
+    """Keep arguments that were aligned under the opening parenthesis aligned after a rename."""
+    paren_col = position(original.func).end.column
+
+    def shift(ws, next_node):
+        if (
+            isinstance(ws, cst.ParenthesizedWhitespace)
+            and next_node is not None
+            and position(next_node).start.column == paren_col + 1
+            and len(ws.last_line.value) + delta >= 0
+        ):
+            return ws.with_changes(last_line=cst.SimpleWhitespace(" " * (len(ws.last_line.value) + delta)))
+        return ws
+
+    args = []
+    for i, arg in enumerate(call.args):
+        nxt = original.args[i + 1] if i + 1 < len(original.args) else None
+        if isinstance(arg.comma, cst.Comma):
+            arg = arg.with_changes(comma=arg.comma.with_changes(whitespace_after=shift(arg.comma.whitespace_after, nxt)))
+        args.append(arg)
+    first = original.args[0] if original.args else None
+    return call.with_changes(args=args, whitespace_before_args=shift(call.whitespace_before_args, first))
+
+
+class _Renamer(cst.CSTTransformer):
+    METADATA_DEPENDENCIES = (QualifiedNameProvider, ScopeProvider, PositionProvider)
+
+    def __init__(self, mapping: dict, modules: tuple):
+        super().__init__()
+        self.mapping = mapping
+        self.modules = modules
+        self.qualified = {f"{m}.{old}": old for m in modules for old in mapping}
+        self.renamed_calls = []  # (old, how) for notes
+        self.renamed_nodes = set()  # func nodes (original) that were renamed
+        self.alias_calls = set()  # aliased local names called
+
+    def _match(self, node) -> str | None:
+        for q in self.get_metadata(QualifiedNameProvider, node, set()):
+            if q.name in self.qualified:
+                return self.qualified[q.name]
+        return None
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        old = self._match(original.func)
+        if old is None:
+            return updated
+        func = updated.func
+        if isinstance(func, cst.Name):
+            if func.value != old:  # called through an alias: the import is renamed instead
+                self.alias_calls.add(func.value)
+                self.renamed_calls.append((old, func.value))
+                return updated
+            self.renamed_nodes.add(original.func)
+            self.renamed_calls.append((old, old))
+            new = updated.with_changes(func=func.with_changes(value=self.mapping[old]))
+        elif isinstance(func, cst.Attribute) and func.attr.value == old:
+            self.renamed_nodes.add(original.func)
+            self.renamed_calls.append((old, dotted(func) if _is_dotted(func) else old))
+            new = updated.with_changes(func=func.with_changes(attr=cst.Name(self.mapping[old])))
+        else:
+            return updated
+        position = lambda node: self.get_metadata(PositionProvider, node)  # noqa: E731
+        return _realign(original, new, position, len(self.mapping[old]) - len(old))
+
+
+def _is_dotted(node) -> bool:
+    try:
+        dotted(node)
+        return True
+    except TypeError:
+        return False
+
+
+class _ImportEditor(cst.CSTTransformer):
+    """Rename (or add beside, or drop) the imported names after the calls were rewritten."""
+
+    def __init__(self, mapping, modules, still_used: set, imported: set):
+        super().__init__()
+        self.mapping = mapping
+        self.modules = modules
+        self.still_used = still_used  # old names still referenced after the call rewrite
+        self.imported = imported  # names already imported from the utils module
+        self.notes = []
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom):
+        if updated.relative or updated.module is None or isinstance(updated.names, cst.ImportStar):
+            return updated
+        if dotted(updated.module) not in self.modules:
+            return updated
+        names = list(updated.names)
+        k = 0
+        while k < len(names):
+            alias = names[k]
+            old = _alias_name(alias)
+            if old not in self.mapping:
+                k += 1
+                continue
+            new = self.mapping[old]
+            if alias.asname is not None:
+                names[k] = alias.with_changes(name=cst.Name(new))
+                self.notes.append(f"import {old} as {_bound_name(alias)} -> import {new} as {_bound_name(alias)}")
+            elif old in self.still_used:
+                if new not in self.imported:
+                    names = insert_alias_after(names, k, cst.ImportAlias(cst.Name(new)))
+                    self.imported.add(new)
+                    self.notes.append(f"import {new} beside {old} (still used elsewhere)")
+                    k += 1
+            elif new in self.imported:
+                names = remove_alias(names, k)
+                self.notes.append(f"dropped the now unused import {old}")
+                continue
+            else:
+                names[k] = alias.with_changes(name=cst.Name(new))
+                self.imported.add(new)
+                self.notes.append(f"import {old} -> import {new}")
+            k += 1
+        return updated.with_changes(names=names)
+
+
+def _imported_from(module: cst.Module, modules) -> set:
+    found = set()
+
+    class V(cst.CSTVisitor):
+        def visit_ImportFrom(self, node):
+            if node.module is not None and not node.relative and not isinstance(node.names, cst.ImportStar):
+                if dotted(node.module) in modules:
+                    found.update(_alias_name(a) for a in node.names if a.asname is None)
+
+    module.visit(V())
+    return found
+
+
+def _name_uses(module: cst.Module, names) -> dict:
+    """How many times each name is read in the module (outside import statements)."""
+    counts = {n: 0 for n in names}
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    scopes = wrapper.resolve(ScopeProvider)
+    for scope in set(scopes.values()):
+        if scope is None:
+            continue
+        for access in scope.accesses:
+            if isinstance(access.node, cst.Name) and access.node.value in counts:
+                counts[access.node.value] += 1
+    return counts
+
+
+def rename_calls(module: cst.Module, mapping: dict, modules=UTILS_MODULES) -> Result:
+    wrapper = MetadataWrapper(module)
+    renamer = _Renamer(mapping, modules)
+    renamed = wrapper.visit(renamer)
+    if not renamer.renamed_calls:
+        return Result(module, [], changed=False)
+    uses = _name_uses(renamed, list(mapping))
+    still_used = {old for old, n in uses.items() if n > 0}
+    editor = _ImportEditor(mapping, modules, still_used, _imported_from(renamed, modules))
+    new = renamed.visit(editor)
+    notes = [f"{how}(...) -> {mapping[old] if how == old else how + ' (now ' + mapping[old] + ')'}(...)"
+             for old, how in renamer.renamed_calls]
+    return Result(new, _dedupe(notes) + editor.notes, changed=new.code != module.code)
+
+
+def _dedupe(items):
+    seen, out = {}, []
+    for it in items:
+        seen[it] = seen.get(it, 0) + 1
+    for it, n in seen.items():
+        out.append(it if n == 1 else f"{it} ({n} calls)")
+    return out
+
+
+def patch_main(module: cst.Module, modules=UTILS_MODULES) -> Result:
+    res = rename_calls(module, RENAMES, modules)
+    if not res.changed and not main_is_patched(module, modules):
+        raise DsfixError("has no call of save_hf_format imported from the DeepSpeed-Chat utils to rewrite")
+    return res
+
+
+def unpatch_main(module: cst.Module, modules=UTILS_MODULES) -> Result:
+    return rename_calls(module, {new: old for old, new in RENAMES.items()}, modules)
+
+
+def main_is_patched(module: cst.Module, modules=UTILS_MODULES) -> bool:
+    wrapper = MetadataWrapper(module)
+    renamer = _Renamer({new: old for old, new in RENAMES.items()}, modules)
+    wrapper.visit(renamer)
+    return bool(renamer.renamed_calls)
