@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from enum import Enum
@@ -55,6 +56,22 @@ STEP_OPT = typer.Option(
 )
 
 
+def _guard(fn):
+    """Turn a DsfixError into one line on stderr and its exit code (a traceback only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DsfixError as e:
+            if _debug["on"]:
+                raise
+            err.print(f"dsfix: error: {e}", markup=False)
+            raise typer.Exit(e.code)
+
+    return wrapper
+
+
 def _version(value: bool):
     if value:
         typer.echo(f"dsfix {__version__}")
@@ -87,6 +104,7 @@ def _finish(outcome, as_json: bool) -> None:
 
 
 @app.command()
+@_guard
 def check(
     repo: Path = REPO_ARG,
     strategy: Strategy = typer.Option(Strategy.clone, help="How to save tied weights (see apply)."),
@@ -108,6 +126,7 @@ def check(
 
 
 @app.command()
+@_guard
 def apply(
     repo: Path = REPO_ARG,
     strategy: Strategy = typer.Option(
@@ -128,6 +147,7 @@ def apply(
 
 
 @app.command()
+@_guard
 def revert(
     repo: Path = REPO_ARG,
     force: bool = typer.Option(False, "--force", "-f", help="Restore originals even over later edits (kept beside as *.dsfix-edited)."),
@@ -161,6 +181,7 @@ def _table(title: str, checks) -> Table:
 
 
 @app.command()
+@_guard
 def verify(
     folder: Path = typer.Argument(..., help="A saved model folder (config.json plus safetensors weights)."),
     expect: Optional[int] = typer.Option(None, help="The number of tensors the file must hold."),
@@ -179,6 +200,7 @@ def verify(
 
 
 @app.command()
+@_guard
 def smoke(
     repo: Path = REPO_ARG,
     device: Device = typer.Option(Device.auto, help="auto: CUDA when available."),
@@ -207,6 +229,7 @@ def smoke(
 
 
 @app.command()
+@_guard
 def demo(
     device: Device = typer.Option(Device.auto, help="Device for the smoke save."),
     keep: Optional[Path] = typer.Option(None, help="Keep the demo checkout here instead of a temporary folder."),

@@ -236,45 +236,81 @@ def _block_statements(module: cst.Module, tpl: Template, marker: str) -> list:
 
 
 def patch_utils(module: cst.Module, tpl: Template, strategy: str) -> Result:
-    """Insert (or upgrade) dsfix's block right after save_hf_format, plus the imports it needs."""
+    """Insert (or upgrade) dsfix's block right after save_hf_format, plus the imports it needs.
+
+    A hand-written function of the same name (the widely copied fix) is replaced in place, and the
+    imports only it used are dropped, so pyflakes finds nothing new.
+    """
     notes = []
-    base = module
-    if find_marker(module) is not None:
-        base = unpatch_utils(module, keep_replaced=True).module
-    body = list(base.body)
-    anchor = next((i for i, s in enumerate(body) if isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format"), None)
-    if anchor is None:
+    info = find_marker(module)
+    base = unpatch_utils(module, keep_replaced=True).module if info else module
+    if not any(isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format" for s in base.body):
         raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
-    replaced, position = [], None
-    for i in reversed(range(len(body))):
-        name = _defined_name(body[i])
+    replaced, kept, slot = [], [], None
+    for stmt in base.body:
+        name = _defined_name(stmt)
         if name is not None and is_dsfix_name(name):
             replaced.append(name)
-            position = i
-            del body[i]
-            if i < anchor:
-                anchor -= 1
-    replaced.reverse()
-    info = find_marker(module)
+            slot = len(kept) if slot is None else slot
+        else:
+            kept.append(stmt)
+    if slot is None:
+        slot = next(i for i, s in enumerate(kept) if isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format") + 1
+    placeholder = cst.SimpleStatementLine([cst.Pass()])
+    kept.insert(slot, placeholder)
+    new = base.with_changes(body=kept)
+    if replaced:
+        new, dropped = _drop_orphaned_imports(base, new)
+        notes += [f"replaced a hand-written {n} with dsfix's (the original is kept for `dsfix revert`)" for n in replaced]
+        notes += [f"dropped the import of {d}, which only the replaced code used" for d in dropped]
     if info and info.get("replaced"):
         replaced = info["replaced"].split(",") + [r for r in replaced if r not in info["replaced"].split(",")]
-    for name in replaced:
-        notes.append(f"replaced a hand-written {name} with dsfix's (the original is kept for `dsfix revert`)")
-    base = base.with_changes(body=body)
-    base, added = _add_imports(base, tpl.imports)
-    shift = len(base.body) - len(body)  # imports inserted before the anchor
-    body = list(base.body)
-    at = (position + shift) if position is not None else anchor + shift + 1
-    if info and info.get("added-imports"):
-        added = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")] + [
-            a for a in added if a.token not in info["added-imports"].split(",")
-        ]
-    marker = make_marker(tpl.version, strategy, added, replaced)
-    body[at:at] = _block_statements(base, tpl, marker)
-    new = base.with_changes(body=body)
-    if added and not info:
+    new, added = _add_imports(new, tpl.imports)
+    if added:
         notes.append("added imports: " + ", ".join(s.source() for s in added))
-    return Result(new, notes, changed=new.code != module.code)
+    if info and info.get("added-imports"):
+        before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")]
+        added = before + [a for a in added if a not in before]
+    body = list(new.body)
+    at = next(i for i, s in enumerate(body) if s is placeholder)
+    body[at : at + 1] = _block_statements(new, tpl, make_marker(tpl.version, strategy, added, replaced))
+    new = new.with_changes(body=body)
+    changed = new.code != module.code
+    if changed and info:
+        notes.insert(0, f"upgraded dsfix's block from template {info.get('template')} strategy "
+                        f"{info.get('strategy')} to v{tpl.version} strategy {strategy}")
+    return Result(new, notes if changed else [], changed=changed)
+
+
+def _drop_orphaned_imports(before: cst.Module, after: cst.Module) -> tuple:
+    """Remove top-level imported names that ``before`` used and ``after`` no longer uses."""
+    bound = {}
+    for stmt in after.body:
+        small = _top_import(stmt)
+        if small is not None and not isinstance(small.names, cst.ImportStar):
+            for alias in small.names:
+                bound[_bound_name(alias)] = alias
+    used_before, used_after = _name_uses(before, bound), _name_uses(after, bound)
+    orphans = {n for n in bound if used_before[n] > 0 and used_after[n] == 0}
+    if not orphans:
+        return after, []
+    body, dropped, removed_stmts = list(after.body), [], 0
+    for i in range(len(body)):
+        small = _top_import(body[i - removed_stmts])
+        if small is None or isinstance(small.names, cst.ImportStar):
+            continue
+        j = i - removed_stmts
+        names = list(small.names)
+        for k in reversed(range(len(names))):
+            if _bound_name(names[k]) in orphans:
+                dropped.append(_bound_name(names[k]))
+                names = remove_alias(names, k) if len(names) > 1 else []
+        if not names:
+            del body[j]
+            removed_stmts += 1
+        elif len(names) != len(small.names):
+            body[j] = body[j].with_changes(body=[small.with_changes(names=names)])
+    return after.with_changes(body=body), sorted(dropped)
 
 
 def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> Result:
@@ -459,9 +495,16 @@ def rename_calls(module: cst.Module, mapping: dict, modules=UTILS_MODULES) -> Re
     still_used = {old for old, n in uses.items() if n > 0}
     editor = _ImportEditor(mapping, modules, still_used, _imported_from(renamed, modules))
     new = renamed.visit(editor)
-    notes = [f"{how}(...) -> {mapping[old] if how == old else how + ' (now ' + mapping[old] + ')'}(...)"
-             for old, how in renamer.renamed_calls]
+    notes = [_call_note(old, how, mapping[old]) for old, how in renamer.renamed_calls]
     return Result(new, _dedupe(notes) + editor.notes, changed=new.code != module.code)
+
+
+def _call_note(old: str, how: str, new: str) -> str:
+    if how == old:
+        return f"{old}(...) -> {new}(...)"
+    if how.endswith("." + old):
+        return f"{how}(...) -> {how[: -len(old)]}{new}(...)"
+    return f"{how}(...) now calls {new} (its import is renamed)"
 
 
 def _dedupe(items):

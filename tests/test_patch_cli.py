@@ -1,0 +1,173 @@
+"""check -> git apply == apply -> check 0 -> apply no-op -> revert byte-exact, on every fixture checkout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from patchkit import FIXTURES, cli, copy_fixture, git_apply, pyflakes_messages, run, snapshot
+
+CHECKOUTS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("name", CHECKOUTS)
+def test_full_cycle_in_process(tmp_path, name):
+    co = copy_fixture(name, tmp_path / "a")
+    twin = copy_fixture(name, tmp_path / "b")
+    before = snapshot(co)
+
+    code, diff, _ = cli("check", ".", cwd=co)
+    assert code == 1 and diff.startswith(b"diff --git a/")
+    assert snapshot(co) == before, "check must write nothing"
+
+    git_apply(diff, twin)  # the diff check prints applies with git apply ...
+    code, _, _ = cli("apply", co)
+    assert code == 0
+    after = snapshot(co)
+    for rel, data in snapshot(twin).items():  # ... and gives byte for byte what apply writes
+        assert after[rel] == data, rel
+    assert (co / ".dsfix" / ".gitignore").read_bytes().endswith(b"*\n")
+
+    for rel in before:
+        if rel.endswith(".py") and before[rel] != after[rel]:
+            assert pyflakes_messages(after[rel]) <= pyflakes_messages(before[rel]), rel
+
+    assert cli("check", co)[0] == 0
+    assert cli("apply", co)[0] == 0
+    assert {k: v for k, v in snapshot(co).items() if not k.startswith(".dsfix")} == {
+        k: v for k, v in after.items() if not k.startswith(".dsfix")
+    }
+    code, _, _ = cli("revert", co)
+    assert code == 0
+    assert snapshot(co) == before, "revert restores every byte and removes the state folder"
+    assert cli("revert", co)[0] == 0  # nothing to revert
+
+
+def test_full_cycle_subprocess_from_inside_a_subfolder(tmp_path):
+    """A real process, run from a folder deep inside a DeepSpeedExamples-shaped checkout."""
+    def make(top):
+        chat = top / "DeepSpeedExamples" / "applications" / "DeepSpeed-Chat"
+        chat.parent.mkdir(parents=True)
+        shutil.copytree(FIXTURES / "package", chat)
+        return top / "DeepSpeedExamples", chat / "training" / "step1_supervised_finetuning"
+
+    root, inner = make(tmp_path / "a")
+    twin, _ = make(tmp_path / "b")
+    before = snapshot(root)
+
+    p = run("check", cwd=inner)
+    assert p.returncode == 1, p.stderr
+    assert b"--- a/main.py" in p.stdout  # paths relative to the current folder
+    p = run("check", cwd=root)
+    assert b"--- a/applications/DeepSpeed-Chat/dschat/utils/utils.py" in p.stdout
+    git_apply(p.stdout, twin)
+
+    p = run("apply", "--json", cwd=inner)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    assert result["layout"] == "package" and {f["status"] for f in result["files"]} == {"changed"}
+    got = {k: v for k, v in snapshot(root).items() if "/.dsfix/" not in k}
+    assert got == snapshot(twin)
+    assert run("check", cwd=root).returncode == 0
+    p = run("revert", root)
+    assert p.returncode == 0, p.stderr
+    assert snapshot(root) == before
+
+
+def test_stdout_carries_only_the_diff_and_stderr_the_messages(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    p = run("check", co, cwd=tmp_path)
+    assert p.stdout.startswith(b"diff --git ") and b"would change" not in p.stdout
+    assert b"2 files would change" in p.stderr
+    assert b"\x1b[" not in p.stderr  # no colour off a TTY
+    p = run("check", "--json", co)
+    data = json.loads(p.stdout)
+    assert data["exit_code"] == 1 and data["verb"] == "check"
+
+
+def test_module_and_console_script_are_the_same_program(tmp_path):
+    exe = shutil.which("dsfix")
+    if exe is None:
+        pytest.skip("dsfix console script not installed")
+    co = copy_fixture("legacy", tmp_path)
+    p = subprocess.run([exe, "check", str(co)], capture_output=True)
+    assert p.returncode == 1 and p.stdout == run("check", co).stdout
+
+
+def test_strategy_dedupe_and_switching_strategy_upgrades_in_place(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    before = snapshot(co)
+    assert cli("apply", co, "--strategy", "dedupe")[0] == 0
+    utils = (co / "dschat/utils/utils.py").read_bytes()
+    assert b'_DSFIX_STRATEGY = "dedupe"' in utils and b"strategy=dedupe" in utils
+    code, diff, _ = cli("check", co)  # default strategy is clone: one block, changed in place
+    assert code == 1 and b'-_DSFIX_STRATEGY = "dedupe"' in diff and b'+_DSFIX_STRATEGY = "clone"' in diff
+    assert cli("apply", co)[0] == 0
+    utils = (co / "dschat/utils/utils.py").read_bytes()
+    assert utils.count(b"def save_hf_format_safetensors(") == 1
+    assert utils.count(b"from safetensors import safe_open") == 1
+    assert cli("revert", co)[0] == 0
+    assert snapshot(co) == before
+
+
+def test_older_template_block_is_upgraded_and_revert_still_restores_the_original(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    before = snapshot(co)
+    assert cli("apply", co)[0] == 0
+    utils = co / "dschat/utils/utils.py"
+    old = utils.read_bytes().replace(b"template=v1", b"template=v0").replace(b"_DSFIX_TEMPLATE_VERSION = 1", b"_DSFIX_TEMPLATE_VERSION = 0")
+    shutil.rmtree(co / ".dsfix")
+    utils.write_bytes(old)
+    code, diff, err = cli("check", co)
+    assert code == 1 and b"-_DSFIX_TEMPLATE_VERSION = 0" in diff
+    assert cli("apply", co)[0] == 0
+    assert utils.read_bytes().count(b"def save_hf_format_safetensors(") == 1
+    assert cli("revert", co)[0] == 0  # the state folder now holds the v0 file as the original
+    assert utils.read_bytes() == old
+    shutil.rmtree(co / ".dsfix", ignore_errors=True)
+    assert cli("revert", co)[0] == 0  # structural, from the marker alone
+    assert snapshot(co) == before
+
+
+def test_step2_needs_asking_and_warns_about_step3(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    code, diff, _ = cli("check", co)
+    assert b"step2_reward_model_finetuning" not in diff
+    p = run("check", co, "--step", "1", "--step", "2")
+    assert p.returncode == 1 and b"step2_reward_model_finetuning/main.py" in p.stdout
+    assert b"pytorch_model.bin" in p.stderr and b"step 3" in p.stderr
+    p = run("apply", co, "--step", "1", "--step", "2")
+    assert p.returncode == 0
+    p = run("revert", co)
+    assert p.returncode == 0
+    assert snapshot(co) == snapshot(FIXTURES / "package")
+    assert run("check", co, "--step", "4").returncode == 2
+
+
+def test_main_py_forms_seen_in_forks(tmp_path):
+    co = copy_fixture("fork-forms", tmp_path)
+    assert cli("apply", co)[0] == 0
+    main = (co / "training/step1_supervised_finetuning/main.py").read_text()
+    assert "save_hf_format_safetensors(model=model, tokenizer=tokenizer, args=args)" in main
+    assert 'save_hf_format_safetensors(model, tokenizer, args, sub_folder="final")' in main
+    assert 'u.save_hf_format_safetensors(model, tokenizer, args, "best")' in main
+    assert "save_zero_three_model_safetensors as save_z3,  # gathers under ZeRO-3" in main
+    assert "save_z3(model, args.global_rank" in main
+    assert "    save_hf_format,\n    save_hf_format_safetensors,\n" in main  # still used as a value
+    assert '{"save": save_hf_format}' in main
+
+
+def test_article_hand_edit_is_replaced_and_restored(tmp_path):
+    co = copy_fixture("article", tmp_path)
+    before = snapshot(co)
+    code, _, err = cli("check", co)
+    p = run("apply", co)
+    assert p.returncode == 0 and b"replaced a hand-written save_hf_format_safetensors" in p.stderr
+    utils = (co / "dschat/utils/utils.py").read_bytes()
+    assert utils.count(b"def save_hf_format_safetensors(") == 1 and b"data_ptr() in seen" not in utils
+    assert b"save_file, load_file" not in utils  # only the replaced code used them
+    assert cli("revert", co)[0] == 0
+    assert snapshot(co) == before
