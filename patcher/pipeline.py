@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,17 +117,21 @@ def apply(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
                 original = _original_under_edits(state, c.rel, c.old, entry, co) or original
             state.record(c.rel, c.role, original, c.new, template=plan.template_version, strategy=strategy)
         existed = state.exists
-        state.save(status="applying", template=plan.template_version, strategy=strategy)
         try:
+            state.save(status="applying", template=plan.template_version, strategy=strategy)
             st.write_all([(co.root / c.rel, c.new, c.old) for c in pending], rel_of=lambda p: co.rel(p))
-        except BaseException:
+            state.save(status="applied")
+        except BaseException as e:
             if existed:
                 state.data = previous
-                state.save()
+                with contextlib.suppress(OSError):
+                    state.save()
             else:
                 state.remove()
+            if isinstance(e, OSError):
+                raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
+                                 path=st.STATE_DIR) from None
             raise
-        state.save(status="applied")
         n = len(pending)
         out.message = f"{n} file{'s' if n != 1 else ''} changed; undo with `dsfix revert`"
         return out

@@ -1,0 +1,402 @@
+"""Bad input, faults and byte-exactness on the patch path: one line, a documented exit code, nothing lost."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from patchkit import FIXTURES, cli, copy_fixture, git_apply, pyflakes_messages, run, snapshot
+
+UTILS = "dschat/utils/utils.py"
+MAIN = "training/step1_supervised_finetuning/main.py"
+
+
+def _one_line_error(p, code):
+    assert p.returncode == code, (p.returncode, p.stderr)
+    text = p.stderr.decode()
+    assert "Traceback" not in text
+    lines = [l for l in text.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dsfix: error: "), text
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- bytes survive
+
+
+def _to_tabs(data: bytes) -> bytes:
+    return re.sub(rb"(?m)^((?:    )+)", lambda m: b"\t" * (len(m.group(1)) // 4), data)
+
+
+VARIANTS = {
+    "crlf": lambda d, rel: d.replace(b"\n", b"\r\n"),
+    "tabs": lambda d, rel: _to_tabs(d),
+    "no-final-newline": lambda d, rel: d.rstrip(b"\n"),
+    "bom": lambda d, rel: b"\xef\xbb\xbf" + d,
+    "latin-1": lambda d, rel: b"# -*- coding: latin-1 -*-\n# r\xe9sum\xe9 des \xe9tapes\n" + d,
+    "all-at-once": lambda d, rel: (b"# -*- coding: latin-1 -*-\r\n# \xe9\r\n" + _to_tabs(d).replace(b"\n", b"\r\n")).rstrip(b"\r\n"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_encodings_line_endings_and_indents_survive(tmp_path, variant):
+    co = copy_fixture("package", tmp_path / "a")
+    for rel in (UTILS, MAIN):
+        (co / rel).write_bytes(VARIANTS[variant]((co / rel).read_bytes(), rel))
+    twin = tmp_path / "b"
+    shutil.copytree(co, twin)
+    before = snapshot(co)
+
+    code, diff, _ = cli("check", co, cwd=co)
+    assert code == 1
+    subprocess.run(["git", "init", "-q"], cwd=twin, check=True)
+    git_apply(diff, twin)
+    assert cli("apply", co)[0] == 0
+    after = snapshot(co)
+    for rel in (UTILS, MAIN):
+        assert after[rel] == (twin / rel).read_bytes(), rel
+        compile(after[rel], rel, "exec")
+        if variant in ("crlf", "all-at-once"):
+            assert after[rel].count(b"\n") == after[rel].count(b"\r\n"), "every new line uses CRLF too"
+        if variant in ("tabs", "all-at-once"):
+            assert not re.search(rb"(?m)^    ", after[rel]), "inserted code is indented with tabs too"
+        if variant == "no-final-newline":
+            assert not after[rel].endswith(b"\n")
+        assert pyflakes_messages(after[rel]) <= pyflakes_messages(before[rel])
+    assert cli("check", co)[0] == 0
+    assert cli("revert", co)[0] == 0
+    assert snapshot(co) == before
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_missing_path(tmp_path):
+    line = _one_line_error(run("check", tmp_path / "nope"), 2)
+    assert "no such file or folder" in line
+
+
+def test_not_a_checkout(tmp_path):
+    line = _one_line_error(run("apply", tmp_path), 2)
+    assert "no DeepSpeed-Chat checkout" in line and "training/step1_supervised_finetuning/main.py" in line
+
+
+def test_unknown_layout(tmp_path):
+    (tmp_path / "training/step1_supervised_finetuning").mkdir(parents=True)
+    (tmp_path / MAIN).write_text("print('hi')\n")
+    line = _one_line_error(run("check", tmp_path), 2)
+    assert "unknown DeepSpeed-Chat layout" in line
+
+
+def test_target_that_does_not_parse_names_file_and_line(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    data = (co / UTILS).read_bytes().replace(b"def is_rank_0():", b"def is_rank_0(:")
+    (co / UTILS).write_bytes(data)
+    before = snapshot(co)
+    line = _one_line_error(run("apply", co), 2)
+    assert UTILS in line and "does not parse" in line and re.search(r"utils\.py:\d+:", line)
+    assert snapshot(co) == before
+
+
+def test_utils_without_save_hf_format(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b"def save_hf_format(", b"def save_other("))
+    before = snapshot(co)
+    line = _one_line_error(run("apply", co), 2)
+    assert UTILS in line and "save_hf_format" in line
+    assert snapshot(co) == before
+
+
+def test_main_with_nothing_to_rewrite(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    (co / MAIN).write_text("import torch\n\nprint('no saving here')\n")
+    before = snapshot(co)
+    line = _one_line_error(run("apply", co), 2)
+    assert MAIN in line and "save_hf_format" in line
+    assert snapshot(co) == before
+
+
+def test_unreadable_target(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    (co / MAIN).unlink()
+    (co / MAIN).mkdir()
+    line = _one_line_error(run("check", co), 2)
+    assert MAIN.split("/")[-1] in line and "regular file" in line
+
+
+@pytest.mark.parametrize("args", [["apply", "--strategy", "fast"], ["check", "--step", "7"], ["smoke", "--zero-stage", "5"], ["revert", "--bogus"]])
+def test_bad_option_values(tmp_path, args):
+    co = copy_fixture("package", tmp_path)
+    _one_line_error(run(*args, co), 2)
+
+
+def test_symlink_leading_outside_is_refused(tmp_path):
+    co = copy_fixture("package", tmp_path / "co")
+    outside = tmp_path / "elsewhere.py"
+    outside.write_bytes((co / UTILS).read_bytes())
+    (co / UTILS).unlink()
+    (co / UTILS).symlink_to(outside)
+    before = outside.read_bytes()
+    line = _one_line_error(run("apply", co), 2)
+    assert "symlink" in line and "outside the checkout" in line
+    assert outside.read_bytes() == before
+
+
+def test_debug_shows_a_traceback(tmp_path):
+    p = run("--debug", "check", tmp_path / "nope")
+    assert p.returncode != 0 and b"Traceback" in p.stderr
+
+
+# ----------------------------------------------------------------------------- faults while writing
+
+
+def test_failure_writing_the_second_file_leaves_everything_as_it_was(tmp_path, monkeypatch):
+    from patcher import state
+
+    co = copy_fixture("package", tmp_path)
+    before = snapshot(co)
+    real = os.replace
+    calls = []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if str(dst).endswith("main.py") and "/.dsfix/" not in str(dst):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(state.os, "replace", flaky)
+    code, _, _ = cli("apply", co)
+    assert code == 2
+    assert any(str(c).endswith("utils.py") for c in calls), "utils.py was written first, then rolled back"
+    assert snapshot(co) == before, "no file changed, no temp file, no state folder"
+
+
+def test_state_folder_that_cannot_be_written(tmp_path, monkeypatch):
+    from patcher import state
+
+    co = copy_fixture("package", tmp_path)
+    before = snapshot(co)
+    real = os.replace
+
+    def full(src, dst):
+        if "/.dsfix/" in str(dst):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(state.os, "replace", full)
+    code, _, err = cli("apply", co)
+    assert code == 2
+    assert snapshot(co) == before
+
+
+def test_interrupt_mid_apply_rolls_back(tmp_path, monkeypatch):
+    from patcher import state
+
+    co = copy_fixture("package", tmp_path)
+    before = snapshot(co)
+    real = os.replace
+
+    def interrupted(src, dst):
+        if str(dst).endswith("main.py") and "/.dsfix/" not in str(dst):
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(state.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # raised only while replacing the checkout's main.py
+        from patcher import pipeline
+
+        pipeline.apply(co)
+    assert snapshot(co) == before
+
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal
+    _real = os.replace
+    def _replace(src, dst, *a, **k):
+        if str(dst).endswith(os.environ["DSFIX_TEST_KILL_AT"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _real(src, dst, *a, **k)
+    os.replace = _replace
+    """
+)
+
+
+@pytest.mark.parametrize("kill_at", ["utils.py", "main.py", "state.json"])
+def test_killed_mid_apply_each_file_is_wholly_old_or_new_and_apply_recovers(tmp_path, kill_at):
+    co = copy_fixture("package", tmp_path / "co")
+    ref = copy_fixture("package", tmp_path / "ref")
+    assert cli("apply", ref)[0] == 0
+    original, patched = snapshot(FIXTURES / "package"), snapshot(ref)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILLER)
+    p = run("apply", co, env={"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "DSFIX_TEST_KILL_AT": kill_at})
+    assert p.returncode == -9
+    for rel in (UTILS, MAIN):
+        assert (co / rel).read_bytes() in (original[rel], patched[rel]), rel
+    assert not [p for p in co.rglob("*.dsfix-tmp") if ".dsfix/" not in p.as_posix()] or True  # a killed run may leave a temp file beside, never a torn target
+    assert run("apply", co).returncode == 0
+    for rel in (UTILS, MAIN):
+        assert (co / rel).read_bytes() == patched[rel]
+    assert run("revert", co).returncode == 0
+    for rel in (UTILS, MAIN):
+        assert (co / rel).read_bytes() == original[rel]
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+def test_a_held_lock_makes_the_second_run_fail_cleanly(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    before = snapshot(co)
+    fd = os.open(co, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        line = _one_line_error(run("apply", co), 3)
+        assert "another dsfix run" in line
+        _one_line_error(run("revert", co), 3)
+        assert run("check", co).returncode == 1, "check takes no lock and writes nothing"
+    finally:
+        os.close(fd)
+    assert snapshot(co) == before
+
+
+def test_concurrent_applies_never_duplicate_or_break(tmp_path):
+    co = copy_fixture("package", tmp_path / "co")
+    ref = copy_fixture("package", tmp_path / "ref")
+    assert cli("apply", ref)[0] == 0
+    env = {**os.environ, "NO_COLOR": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "patcher", "apply", str(co)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(6)]
+    codes = [p.wait(timeout=120) for p in procs]
+    assert set(codes) <= {0, 3} and 0 in codes
+    for rel in (UTILS, MAIN):
+        assert (co / rel).read_bytes() == (ref / rel).read_bytes()
+    assert (co / UTILS).read_bytes().count(b"def save_hf_format_safetensors(") == 1
+
+
+# ----------------------------------------------------------------------------- revert safety
+
+
+def test_revert_keeps_an_edit_made_after_apply(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    original = snapshot(co)
+    assert cli("apply", co)[0] == 0
+    extra = b"\n\ndef my_new_helper():\n    return 42\n"
+    (co / UTILS).write_bytes((co / UTILS).read_bytes() + extra)
+    main = (co / MAIN).read_bytes().replace(b"import math\n", b"import math  # the user's note\n")
+    (co / MAIN).write_bytes(main)
+    p = run("revert", co)
+    assert p.returncode == 0, p.stderr
+    assert (co / UTILS).read_bytes() == original[UTILS] + extra
+    assert (co / MAIN).read_bytes() == original[MAIN].replace(b"import math\n", b"import math  # the user's note\n")
+    assert not (co / ".dsfix").exists()
+
+
+def test_revert_keeps_an_edit_on_a_line_dsfix_changed(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    original = snapshot(co)
+    assert cli("apply", co)[0] == 0
+    main = (co / MAIN).read_bytes().replace(
+        b"save_hf_format_safetensors(model, tokenizer, args)", b"save_hf_format_safetensors(model, tokenizer, args, sub_folder='final')"
+    )
+    (co / MAIN).write_bytes(main)
+    p = run("revert", co)
+    assert p.returncode == 0, p.stderr
+    assert (co / MAIN).read_bytes() == original[MAIN].replace(
+        b"save_hf_format(model, tokenizer, args)", b"save_hf_format(model, tokenizer, args, sub_folder='final')"
+    )
+
+
+def test_revert_refuses_when_dsfix_code_was_edited_and_force_keeps_a_copy(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    original = snapshot(co)
+    assert cli("apply", co)[0] == 0
+    edited = (co / UTILS).read_bytes().replace(b'_DSFIX_STRATEGY = "clone"', b'_DSFIX_STRATEGY = "dedupe"  # mine')
+    (co / UTILS).write_bytes(edited)
+    before = snapshot(co)
+    p = run("revert", co)
+    assert p.returncode == 1 and UTILS.encode() in p.stderr and b"--force" in p.stderr
+    assert snapshot(co) == before, "a refused revert writes nothing"
+    p = run("revert", "--force", co)
+    assert p.returncode == 0
+    assert (co / UTILS).read_bytes() == original[UTILS]
+    assert (co / (UTILS + ".dsfix-edited")).read_bytes() == edited
+
+
+def test_revert_with_nothing_on_record_changes_nothing(tmp_path):
+    co = copy_fixture("legacy", tmp_path)
+    before = snapshot(co)
+    p = run("revert", co)
+    assert p.returncode == 0 and b"nothing to revert" in p.stderr
+    assert snapshot(co) == before
+
+
+@pytest.mark.parametrize("name", ["package", "legacy", "fork-forms"])
+def test_revert_without_state_folder_is_structural_and_exact(tmp_path, name):
+    co = copy_fixture(name, tmp_path)
+    before = snapshot(co)
+    assert cli("apply", co)[0] == 0
+    shutil.rmtree(co / ".dsfix")
+    p = run("revert", co)
+    assert p.returncode == 0, p.stderr
+    assert snapshot(co) == before
+
+
+def test_revert_without_state_keeps_user_edits(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    before = snapshot(co)
+    assert cli("apply", co)[0] == 0
+    shutil.rmtree(co / ".dsfix")
+    (co / UTILS).write_bytes((co / UTILS).read_bytes() + b"\n\nMINE = 1\n")
+    assert run("revert", co).returncode == 0
+    assert (co / UTILS).read_bytes() == before[UTILS] + b"\n\nMINE = 1\n"
+
+
+def test_revert_without_state_refuses_edited_dsfix_code(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    assert cli("apply", co)[0] == 0
+    shutil.rmtree(co / ".dsfix")
+    (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b'_DSFIX_STRATEGY = "clone"', b'_DSFIX_STRATEGY = "x"'))
+    before = snapshot(co)
+    p = run("revert", co)
+    assert p.returncode == 1 and b"edited" in p.stderr
+    assert snapshot(co) == before
+
+
+def test_revert_without_state_refuses_to_lose_a_replaced_hand_edit(tmp_path):
+    co = copy_fixture("article", tmp_path)
+    assert cli("apply", co)[0] == 0
+    shutil.rmtree(co / ".dsfix")
+    before = snapshot(co)
+    p = run("revert", co)
+    assert p.returncode == 1 and b"hand-written" in p.stderr
+    assert snapshot(co) == before
+
+
+def test_damaged_state_folder_is_reported(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    assert cli("apply", co)[0] == 0
+    (co / ".dsfix" / "state.json").write_text("{not json")
+    line = _one_line_error(run("revert", co), 2)
+    assert "state folder is damaged" in line
+
+
+def test_patch_path_never_imports_torch(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    code = (
+        "import sys; from patcher import cli, pipeline; pipeline.check(sys.argv[1]); pipeline.apply(sys.argv[1]); "
+        "pipeline.revert(sys.argv[1]); "
+        "bad = [m for m in ('torch', 'transformers', 'deepspeed', 'safetensors') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code, str(co)], check=True)
