@@ -415,11 +415,13 @@ def _is_dotted(node) -> bool:
 class _ImportEditor(cst.CSTTransformer):
     """Rename (or add beside, or drop) the imported names after the calls were rewritten."""
 
-    def __init__(self, mapping, modules, still_used: set, imported: set):
+    def __init__(self, mapping, modules, touched: set, still_used: set, needed: set, imported: set):
         super().__init__()
         self.mapping = mapping
         self.modules = modules
+        self.touched = touched  # old names some call was rewritten for
         self.still_used = still_used  # old names still referenced after the call rewrite
+        self.needed = needed  # new names now referenced bare (so they must be imported)
         self.imported = imported  # names already imported from the utils module
         self.notes = []
 
@@ -433,10 +435,13 @@ class _ImportEditor(cst.CSTTransformer):
         while k < len(names):
             alias = names[k]
             old = _alias_name(alias)
-            if old not in self.mapping:
+            if old not in self.mapping or old not in self.touched:
                 k += 1
                 continue
             new = self.mapping[old]
+            if alias.asname is None and new not in self.needed:
+                k += 1  # only called through the module (u.save_hf_format): this import stays as it is
+                continue
             if alias.asname is not None:
                 names[k] = alias.with_changes(name=cst.Name(new))
                 self.notes.append(f"import {old} as {_bound_name(alias)} -> import {new} as {_bound_name(alias)}")
@@ -491,9 +496,11 @@ def rename_calls(module: cst.Module, mapping: dict, modules=UTILS_MODULES) -> Re
     renamed = wrapper.visit(renamer)
     if not renamer.renamed_calls:
         return Result(module, [], changed=False)
-    uses = _name_uses(renamed, list(mapping))
-    still_used = {old for old, n in uses.items() if n > 0}
-    editor = _ImportEditor(mapping, modules, still_used, _imported_from(renamed, modules))
+    uses = _name_uses(renamed, list(mapping) + list(mapping.values()))
+    still_used = {old for old in mapping if uses[old] > 0}
+    needed = {new for new in mapping.values() if uses[new] > 0}
+    touched = {old for old, _how in renamer.renamed_calls}
+    editor = _ImportEditor(mapping, modules, touched, still_used, needed, _imported_from(renamed, modules))
     new = renamed.visit(editor)
     notes = [_call_note(old, how, mapping[old]) for old, how in renamer.renamed_calls]
     return Result(new, _dedupe(notes) + editor.notes, changed=new.code != module.code)
