@@ -11,7 +11,6 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from patcher import __version__
 from patcher.errors import ERROR, DsfixError
@@ -170,16 +169,6 @@ def _steps(step) -> tuple:
     return tuple(step) or (1,)
 
 
-def _table(title: str, checks) -> Table:
-    table = Table(title=title, title_justify="left")
-    table.add_column("check")
-    table.add_column("result")
-    table.add_column("detail", overflow="fold")
-    for name, ok, detail in checks:
-        table.add_row(name, "[green]ok[/]" if ok else "[red]FAIL[/]", str(detail))
-    return table
-
-
 @app.command()
 @_guard
 def verify(
@@ -189,13 +178,13 @@ def verify(
     as_json: bool = JSON_OPT,
 ):
     """Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input."""
-    from patcher.verify import verify_folder
+    from patcher.verify import checks_table, verify_folder
 
     report = verify_folder(folder, expect=expect, load=load)
-    err.print(_table(f"dsfix verify {folder}", report.checks))
+    err.print(checks_table(report.checks, title=f"dsfix verify {folder}"))
     err.print(f"{'all checks hold' if report.ok else 'verification FAILED'}: {report.tensors} tensors", markup=False)
     if as_json:
-        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+        sys.stdout.write(report.to_json() + "\n")
     raise typer.Exit(0 if report.ok else 1)
 
 
@@ -218,13 +207,12 @@ def smoke(
     from patcher.smoke import run_smoke
 
     checkout = find_checkout(repo)
-    kwargs = dict(device=device.value, dtype=dtype.value, zero_stage=zero_stage, nproc=nproc, keep=keep,
-                  model_dir=model, config_path=config, console=err)
-    if expect is not None:
-        kwargs["expect"] = expect
-    report = run_smoke(checkout, **kwargs)
+    if expect is None and model is None and config is None:
+        expect = 311  # the bundled Qwen3-0.6B config: 28 layers x 11 + 3
+    report = run_smoke(checkout, device=device.value, dtype=dtype.value, zero_stage=zero_stage, nproc=nproc,
+                       expect=expect, keep=keep, model_dir=model, config_path=config, console=err)
     if as_json:
-        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+        sys.stdout.write(report.to_json() + "\n")
     raise typer.Exit(0 if report.ok else 1)
 
 

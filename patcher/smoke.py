@@ -1,0 +1,483 @@
+"""``dsfix smoke``: run a checkout's own save functions the way step-1 main.py calls them, then verify.
+
+A plain one-rank save (ZeRO 0, nproc 1) runs in this process. DeepSpeed engines (ZeRO 1-3) and
+several ranks run in ranks started by ``python -m torch.distributed.run --standalone`` (module
+``patcher.smoke_worker``): on a CPU with DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) and
+gloo, on CUDA with nccl. The folder the save wrote is checked by :func:`patcher.verify.verify_folder`,
+reloaded with ``from_pretrained``, and must reproduce the in-memory model's logits.
+torch, transformers and deepspeed are imported only inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from patcher.errors import DsfixError
+from patcher.verify import Check, checks_table, load_check, verify_folder
+
+SAVE_HF = "save_hf_format_safetensors"
+SAVE_Z3 = "save_zero_three_model_safetensors"
+DTYPES = ("bf16", "fp16", "fp32")
+DEFAULT_CONFIG = "models/qwen3-0.6b/config.json"
+_RANK_CHECKS = ("functions", "setup", "save")  # checks about the ranks themselves; their log tail helps
+_SRC_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class SmokeReport:
+    ok: bool
+    checks: tuple  # of Check(name, ok, detail)
+    timings: dict  # phase -> seconds (rank 0's phases, plus launch/verify/reload here)
+    device: str
+    dtype: str
+    zero_stage: int
+    nproc: int
+    load_method: Optional[str]  # "import" or "ast" (None when the ranks never got that far)
+    load_detail: Optional[str]
+    functions: tuple = ()  # the save functions found in the checkout
+    backend: Optional[str] = None  # gloo / nccl when a DeepSpeed engine ran
+    launcher: Optional[str] = None  # the command that started the ranks, if any
+    peak_rss_mb: dict = field(default_factory=dict)  # {"this process": MB, "rank 0": MB, ...}
+    cuda_peak_mb: Optional[dict] = None  # {"rank 0": MB, ...} when on CUDA
+    tensors: Optional[int] = None
+    save_output: str = ""  # what the save functions printed on rank 0
+    output_dir: Optional[str] = None  # the kept folder, or None when it was a temp dir
+    log_tail: str = ""  # the ranks' last log lines when something failed
+
+    def check(self, name: str) -> Optional[Check]:
+        return next((c for c in self.checks if c.name == name), None)
+
+    @property
+    def failed(self) -> tuple:
+        return tuple(c for c in self.checks if not c.ok)
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "checks": [c._asdict() for c in self.checks],
+            "timings": self.timings,
+            "device": self.device,
+            "dtype": self.dtype,
+            "zero_stage": self.zero_stage,
+            "nproc": self.nproc,
+            "backend": self.backend,
+            "load_method": self.load_method,
+            "load_detail": self.load_detail,
+            "functions": list(self.functions),
+            "launcher": self.launcher,
+            "peak_rss_mb": self.peak_rss_mb,
+            "cuda_peak_mb": self.cuda_peak_mb,
+            "tensors": self.tensors,
+            "save_output": self.save_output,
+            "output_dir": self.output_dir,
+            "log_tail": self.log_tail,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def fixture_path(rel: str) -> Path:
+    """A bundled fixture: the source tree's fixtures/, else the installed ``patcher._fixtures`` package data."""
+    src = _SRC_ROOT / "fixtures" / rel
+    if src.is_file():
+        return src
+    try:
+        from importlib import resources
+
+        res = resources.files("patcher._fixtures").joinpath(rel)
+        if res.is_file():
+            return Path(str(res))
+    except (ImportError, ModuleNotFoundError, TypeError):
+        pass
+    raise DsfixError(f"bundled fixture {rel} is missing from this dsfix install; pass --config or --model")
+
+
+def _utils_defines(utils_path: Path) -> set:
+    try:
+        tree = ast.parse(utils_path.read_bytes(), filename=str(utils_path))
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DsfixError(f"cannot parse: {e}", path=str(utils_path)) from None
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _import_root(checkout) -> tuple[Path, str]:
+    if checkout.layout == "legacy":
+        return checkout.root / "training", checkout.utils_module
+    return checkout.root, checkout.utils_module
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise DsfixError(f"--device must be auto, cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DsfixError("--device cuda, but torch sees no CUDA device")
+    return device
+
+
+def _prepare_out(keep) -> tuple[Path, Optional[Path]]:
+    """(folder the save writes to, temp dir to remove afterwards or None)."""
+    if keep is None:
+        tmp = Path(tempfile.mkdtemp(prefix="dsfix-smoke-out-"))
+        return tmp / "output", tmp
+    out = Path(keep)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DsfixError("--keep folder must be new or empty", path=str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    return out.resolve(), None
+
+
+# --------------------------------------------------------------------------- running the ranks
+
+
+def _worker_env(device: str, nproc: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(_SRC_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def launcher_command(nproc: int, spec_path) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc_per_node", str(nproc), "-m", "patcher.smoke_worker", str(spec_path)]
+
+
+def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str, int]:
+    """Run the ranks; (their results, the log tail, exit code)."""
+    work = Path(spec["work_dir"])
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
+    log_path = work / "ranks.log"
+    cmd = launcher_command(nproc, spec_path)
+    phase_file = work / "phase-0.txt"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=_worker_env(spec["device"], nproc), cwd=str(work), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        seen = None
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                try:
+                    now = phase_file.read_text()
+                except OSError:
+                    now = None
+                if now and now != seen:
+                    seen = now
+                    on_phase(now)
+                time.sleep(0.2)
+        except BaseException:
+            with _quiet():
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with _quiet():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
+    results = []
+    for r in range(nproc):
+        p = work / f"result-{r}.json"
+        if p.is_file():
+            results.append(json.loads(p.read_text(encoding="utf-8")))
+    tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-30:])
+    return results, tail, proc.returncode
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+class _stdout_to_stderr:
+    """fd 1 -> fd 2 while the in-process rank runs: DeepSpeed's logger and stray prints must not reach stdout."""
+
+    def __enter__(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            self._saved = os.dup(1)
+            os.dup2(2, 1)
+        except OSError:
+            self._saved = None
+        # Loggers created meanwhile (DeepSpeed's binds sys.stdout on import) bind to stderr instead.
+        self._redirect = contextlib.redirect_stdout(sys.stderr)
+        self._redirect.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._redirect.__exit__(*exc)
+        sys.stdout.flush()
+        if self._saved is not None:
+            os.dup2(self._saved, 1)
+            os.close(self._saved)
+        return False
+
+
+# --------------------------------------------------------------------------- the smoke test
+
+
+def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage: int = 0, nproc: int = 1,
+              expect: Optional[int] = 311, keep=None, model_dir=None, config_path=None, console=None,
+              train_steps: int = 1, seed: int = 1234, timeout: float = 1800) -> SmokeReport:
+    """Save a model with the checkout's patched functions as step 1 would, and check what was written.
+
+    ``checkout``: a :class:`patcher.locate.Checkout` or a path. Raises DsfixError (code 2) on bad input,
+    including a checkout whose utils.py has no ``save_hf_format_safetensors``; failing checks give ok=False.
+    """
+    from patcher.locate import Checkout, find_checkout
+
+    if console is None:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+    if not isinstance(checkout, Checkout):
+        checkout = find_checkout(checkout)
+    if dtype not in DTYPES:
+        raise DsfixError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise DsfixError(f"--zero-stage must be 0, 1, 2 or 3, not {zero_stage!r}")
+    if nproc < 1:
+        raise DsfixError(f"--nproc must be at least 1, not {nproc!r}")
+    if model_dir is not None and config_path is not None:
+        raise DsfixError("give --model or --config, not both")
+    if model_dir is not None:
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise DsfixError("not a model folder (no config.json)", path=str(model_dir))
+    else:
+        config_path = Path(config_path) if config_path is not None else fixture_path(DEFAULT_CONFIG)
+        if not config_path.is_file():
+            raise DsfixError("no such config file", path=str(config_path))
+    defined = _utils_defines(checkout.utils_path)
+    if SAVE_HF not in defined:
+        raise DsfixError(f"{checkout.rel(checkout.utils_path)} defines no {SAVE_HF}: this checkout was never "
+                         "patched: run `dsfix apply` first", path=str(checkout.root))
+    device = _resolve_device(device)
+    use_engine = zero_stage > 0 or nproc > 1
+    out_dir, out_tmp = _prepare_out(keep)
+    work = Path(tempfile.mkdtemp(prefix="dsfix-smoke-"))
+    import_root, module_name = _import_root(checkout)
+    spec = {
+        "utils_path": str(checkout.utils_path), "import_root": str(import_root), "module_name": module_name,
+        "out_dir": str(out_dir), "work_dir": str(work), "device": device, "dtype": dtype,
+        "zero_stage": zero_stage, "engine": use_engine, "seed": seed, "train_steps": train_steps,
+        # absolute: the ranks run in the work folder
+        "config_path": str(config_path.resolve()) if config_path is not None else None,
+        "model_dir": str(model_dir.resolve()) if model_dir is not None else None,
+        "dist_timeout": int(min(timeout, 1800)),
+    }
+    try:
+        return _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
+                    kept=out_dir if keep is not None else None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if out_tmp is not None:
+            shutil.rmtree(out_tmp, ignore_errors=True)
+
+
+def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> SmokeReport:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    zero, device = int(spec["zero_stage"]), spec["device"]
+    checks: list = []
+    timings: dict = {}
+    launcher = None
+    log_tail = ""
+    how = f"{nproc} rank(s), DeepSpeed ZeRO-{zero}" if spec["engine"] else "in this process, no DeepSpeed engine"
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(f"building and saving ({how})")
+
+        def on_phase(name):
+            progress.update(task, description=f"rank 0: {name} ({how})")
+
+        t = time.perf_counter()
+        if spec["engine"]:
+            launcher = " ".join(["python"] + launcher_command(nproc, "SPEC.json")[1:])
+            try:
+                results, log_tail, rc = _launch(spec, nproc, timeout, on_phase)
+            except subprocess.TimeoutExpired:
+                results, rc = [], None
+                log_tail = _tail(Path(spec["work_dir"]) / "ranks.log")
+                checks.append(Check("save", False, f"the ranks did not finish within {timeout:.0f}s (killed)"))
+        else:
+            import patcher.smoke_worker as worker
+
+            spec["distributed"] = False
+            with _stdout_to_stderr():
+                results, rc = [worker.run_rank(spec)], 0
+        timings["ranks"] = round(time.perf_counter() - t, 3)
+        r0 = next((r for r in results if r.get("rank") == 0), None)
+        if r0 is not None:
+            timings.update({k: v for k, v in r0.get("timings", {}).items()})
+        errors = [r for r in results if r.get("error")]
+        if not checks:
+            checks.extend(_rank_checks(results, r0, errors, rc, nproc, zero))
+
+        weights_written = any(c.name == "save" and c.ok for c in checks)
+        vreport = None
+        if weights_written or (r0 is not None and r0.get("phase") == "save"):
+            progress.update(task, description="verifying the saved folder")
+            t = time.perf_counter()
+            try:
+                if not Path(spec["out_dir"]).is_dir():
+                    raise DsfixError("the save wrote nothing: no output folder, no model weights")
+                vreport = verify_folder(spec["out_dir"], expect=expect, load=False)
+                checks.extend(vreport.checks)
+            except DsfixError as e:
+                checks.append(Check("weights", False, e.message))
+            timings["verify"] = round(time.perf_counter() - t, 3)
+        if vreport is not None and vreport.check("config") and vreport.check("config").ok:
+            progress.update(task, description="reloading with from_pretrained and comparing logits")
+            t = time.perf_counter()
+            checks.extend(_reload_checks(spec, device))
+            timings["reload"] = round(time.perf_counter() - t, 3)
+
+    ok = bool(checks) and all(c.ok for c in checks)
+    peak = {"this process": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    cuda = None
+    for r in results:
+        if spec["engine"]:
+            peak[f"rank {r['rank']}"] = r.get("peak_rss_mb")
+        if r.get("cuda_peak_mb") is not None:
+            cuda = cuda or {}
+            cuda[f"rank {r['rank']}"] = r["cuda_peak_mb"]
+    if cuda is None and device == "cuda":
+        import torch
+
+        cuda = {"this process": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
+    report = SmokeReport(
+        ok=ok, checks=tuple(checks), timings=timings,
+        device=(r0 or {}).get("device", device), dtype=spec["dtype"], zero_stage=zero, nproc=nproc,
+        load_method=(r0 or {}).get("load_method"), load_detail=(r0 or {}).get("load_detail"),
+        functions=tuple((r0 or {}).get("functions", ())), backend=(r0 or {}).get("backend"),
+        launcher=launcher, peak_rss_mb=peak, cuda_peak_mb=cuda,
+        tensors=vreport.tensors if vreport is not None else None,
+        save_output=(r0 or {}).get("save_output", ""), output_dir=str(kept) if kept is not None else None,
+        log_tail=log_tail if any(c.name in _RANK_CHECKS and not c.ok for c in checks) else "",
+    )
+    _print_report(report, console)
+    return report
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _rank_checks(results: list, r0: Optional[dict], errors: list, rc, nproc: int, zero: int) -> list:
+    checks = []
+    if r0 is None:
+        return [Check("save", False, f"rank 0 left no result (launcher exit {rc}); see log_tail")]
+    if r0.get("load_method"):
+        fns = ", ".join(r0.get("functions", [])) or "none"
+        checks.append(Check("functions", True, f"{fns} via {r0['load_method']}: {r0.get('load_detail')}"))
+    if errors:
+        first = min(errors, key=lambda r: r["rank"])
+        where = first.get("phase")
+        name = "functions" if where == "load" else ("save" if where == "save" else "setup")
+        checks.append(Check(name, False, f"rank {first['rank']} failed in {where}: {first['error']}"))
+        return checks
+    if len(results) < nproc or rc not in (0, None):
+        checks.append(Check("save", False, f"{len(results)} of {nproc} ranks reported; launcher exit {rc}"))
+        return checks
+    calls = f"{SAVE_HF} on rank 0"
+    if r0.get("partitioned"):
+        calls = f"{r0['partitioned'][0]} of {r0['partitioned'][1]} parameters partitioned; " + calls
+    if zero == 3:
+        if r0.get("called_z3"):
+            calls += f", {SAVE_Z3} on {'all ' + str(nproc) + ' ranks' if nproc > 1 else 'rank 0'}"
+        else:
+            calls += f"; no {SAVE_Z3} to call under ZeRO-3"
+    printed = [line for line in r0.get("save_output", "").splitlines() if line.strip()]
+    if printed:
+        calls += f"; it printed {printed[-1].strip()!r}"
+    checks.append(Check("save", True, calls))
+    return checks
+
+
+def _reload_checks(spec: dict, device: str) -> list:
+    import torch
+    from safetensors.torch import load_file
+
+    ref_path = Path(spec["work_dir"]) / "reference.safetensors"
+    tdtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[spec["dtype"]])
+    check, model = load_check(spec["out_dir"], dtype=tdtype, keep_model=True)
+    out = [check]
+    if model is None or not check.ok:
+        out.append(Check("logits", False, "not compared: the folder does not load cleanly"))
+        return out
+    if not ref_path.is_file():
+        out.append(Check("logits", False, "no reference logits from the saving rank"))
+        return out
+    ref = load_file(str(ref_path))
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    model.to(dev).eval()
+    with torch.no_grad():
+        got = model(input_ids=ref["input_ids"].to(dev)).logits.cpu()
+    want = ref["logits"]
+    if got.shape != want.shape:
+        out.append(Check("logits", False, f"shape {list(got.shape)} != in-memory {list(want.shape)}"))
+        return out
+    diff = (got.float() - want.float()).abs().max().item()
+    try:
+        torch.testing.assert_close(got, want.to(got.dtype))
+    except AssertionError:
+        out.append(Check("logits", False, f"reloaded logits differ from the in-memory model's: max |diff| {diff:.3g} "
+                                          f"over {want.numel()} values ({got.dtype})"))
+        return out
+    out.append(Check("logits", True, f"reloaded model reproduces the in-memory logits (max |diff| {diff:.3g}, {got.dtype})"))
+    return out
+
+
+def _print_report(report: SmokeReport, console) -> None:
+    from rich.markup import escape
+
+    console.print(checks_table(report.checks, title=f"dsfix smoke: ZeRO-{report.zero_stage}, {report.nproc} rank(s), "
+                                                     f"{report.device}, {report.dtype}"))
+    if report.load_method == "ast":
+        console.print(f"[yellow]save functions loaded via ast extraction:[/] {escape(report.load_detail or '')}")
+    t = ", ".join(f"{k} {v:.1f}s" for k, v in report.timings.items())
+    mem = ", ".join(f"{k} {v} MB" for k, v in report.peak_rss_mb.items() if v is not None)
+    console.print(f"timings: {escape(t)}")
+    console.print(f"peak host RSS: {escape(mem)}" + (f"; CUDA peak: {report.cuda_peak_mb}" if report.cuda_peak_mb else ""))
+    if report.output_dir:
+        console.print(f"kept the saved folder in {escape(report.output_dir)}")
+    if not report.ok and report.log_tail:
+        console.print("[bold]last lines of the ranks' log:[/]")
+        console.print(escape(report.log_tail), highlight=False)
+    console.print("[bold green]smoke passed[/]" if report.ok else
+                  f"[bold red]smoke failed[/]: {escape(', '.join(c.name for c in report.failed))}")

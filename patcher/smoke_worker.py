@@ -1,0 +1,347 @@
+"""One rank of ``dsfix smoke``: load the checkout's save functions, build a model, save it as step 1 does.
+
+``patcher.smoke`` runs :func:`run_rank` in its own process for a plain one-rank save, or launches
+``python -m torch.distributed.run --standalone --nproc_per_node N -m patcher.smoke_worker SPEC.json``
+for DeepSpeed engines (ZeRO 1-3) and several ranks. Each rank writes ``result-<rank>.json`` into
+the spec's work folder; rank 0 also writes the reference logits the reloaded folder must reproduce.
+Nothing here prints to stdout: the save functions' own prints are captured into the result.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import io
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from argparse import Namespace
+from pathlib import Path
+
+SAVE_HF = "save_hf_format_safetensors"
+SAVE_Z3 = "save_zero_three_model_safetensors"
+REF_FILE = "reference.safetensors"
+PROMPT = "human: what is the sky blue why light scatter answer assistant"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def _wanted(name: str) -> bool:
+    return name in (SAVE_HF, SAVE_Z3) or name.startswith("_dsfix_") or name.startswith("_DSFIX_")
+
+
+# --------------------------------------------------------------------------- loading the save functions
+
+
+def _import_isolated(import_root: str, module_name: str):
+    """Import ``module_name`` with ``import_root`` first on sys.path, leaving sys.path and sys.modules as found."""
+    import importlib
+
+    top = module_name.split(".")[0]
+    mine = lambda k: k == top or k.startswith(top + ".")  # noqa: E731
+    saved_mods = {k: v for k, v in sys.modules.items() if mine(k)}
+    for k in saved_mods:
+        del sys.modules[k]
+    saved_path, saved_bytecode = list(sys.path), sys.dont_write_bytecode
+    sys.path.insert(0, import_root)
+    sys.dont_write_bytecode = True  # leave no __pycache__ in the user's checkout
+    importlib.invalidate_caches()
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path[:] = saved_path
+        sys.dont_write_bytecode = saved_bytecode
+        for k in [k for k in sys.modules if mine(k)]:
+            del sys.modules[k]
+        sys.modules.update(saved_mods)
+
+
+def extract_definitions(utils_path) -> tuple[dict, list]:
+    """Exec only the top-level imports and the dsfix definitions of ``utils_path``; (namespace, skipped imports).
+
+    Imports that fail (deepspeed missing, a relative import) are skipped and listed; the template
+    itself needs only os, json, torch and safetensors at module level.
+    """
+    import __future__
+
+    path = str(utils_path)
+    tree = ast.parse(Path(path).read_bytes(), filename=path)
+    flags, imports, defs = 0, [], []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            for alias in node.names:
+                flags |= getattr(__future__, alias.name).compiler_flag
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.append(node)
+        elif isinstance(node, ast.Try) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body):
+            imports.append(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _wanted(node.name):
+            defs.append(node)
+        elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and _wanted(t.id) for t in node.targets):
+            defs.append(node)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and _wanted(node.target.id):
+            defs.append(node)
+    ns: dict = {"__name__": "dsfix_smoke_extracted", "__file__": path, "__builtins__": builtins}
+
+    def run(node):
+        exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec", flags=flags, dont_inherit=True), ns)
+
+    skipped = []
+    for node in imports:
+        try:
+            run(node)
+        except Exception as e:
+            skipped.append(f"line {node.lineno}: {type(e).__name__}: {e}")
+    for node in defs:
+        run(node)
+    return ns, skipped
+
+
+def load_save_functions(utils_path, import_root, module_name) -> tuple[dict, str, str]:
+    """({name: function}, "import" or "ast", a sentence on how). Import the normal way, else extract with ast."""
+    utils_path = Path(utils_path).resolve()
+    try:
+        mod = _import_isolated(str(import_root), module_name)
+        where = Path(getattr(mod, "__file__", "") or "").resolve()
+        if where != utils_path:
+            raise ImportError(f"{module_name} resolved to {where}, not the checkout's file")
+        funcs = {n: getattr(mod, n) for n in (SAVE_HF, SAVE_Z3) if callable(getattr(mod, n, None))}
+        if SAVE_HF in funcs:
+            return funcs, "import", f"import {module_name}"
+        why = f"import {module_name} worked but it has no {SAVE_HF}"
+    except Exception as e:  # ImportError, ModuleNotFoundError, anything the module's top level raises
+        why = f"import {module_name} failed ({type(e).__name__}: {e})"
+    ns, skipped = extract_definitions(utils_path)
+    funcs = {n: ns[n] for n in (SAVE_HF, SAVE_Z3) if callable(ns.get(n))}
+    detail = f"{why}; exec'd its top-level imports and dsfix definitions extracted with ast"
+    if skipped:
+        detail += f" (skipped imports: {'; '.join(skipped)})"
+    return funcs, "ast", detail
+
+
+# --------------------------------------------------------------------------- model and tokenizer
+
+
+def make_tiny_tokenizer(folder):
+    """A Qwen2TokenizerFast over a ~300-token byte-level BPE trained here (save_pretrained works)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+
+    words = ("the a an human assistant what is how do you make tea coffee water hot cold please "
+             "explain why sky blue light scatter answer question yes no maybe").split()
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(corpus, trainer)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe.model.save(str(folder))
+    return Qwen2TokenizerFast(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"),
+                              unk_token="<unk>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                              bos_token=None)
+
+
+def build_model(spec: dict, torch_dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from patcher.verify import dtype_kwarg
+
+    kw = {dtype_kwarg(): torch_dtype}
+    if spec.get("model_dir"):
+        return AutoModelForCausalLM.from_pretrained(spec["model_dir"], **kw)
+    cfg = AutoConfig.from_pretrained(spec["config_path"])
+    return AutoModelForCausalLM.from_config(cfg, **kw)
+
+
+def build_tokenizer(spec: dict):
+    model_dir = spec.get("model_dir")
+    if model_dir and any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir), "from model_dir"
+    return make_tiny_tokenizer(Path(spec["work_dir"]) / f"tokenizer-src-{_rank()}"), "tiny BPE (Qwen2TokenizerFast)"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _ds_config(zero_stage: int, dtype: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        # Threshold 0: partition every parameter, so a narrow test model is as partitioned under ZeRO-3 as a
+        # real one (by default parameters under 1e5 elements stay whole on every rank after a forward).
+        "zero_optimization": {"stage": zero_stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
+        "gradient_clipping": 1.0,
+    }
+
+
+class _Phases:
+    """Times each phase and tells the parent (through a small file) which one is running."""
+
+    def __init__(self, work_dir: Path, rank: int):
+        self.timings: dict = {}
+        self.current = "start"
+        self._file = work_dir / f"phase-{rank}.txt" if rank == 0 else None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self.current = name
+        if self._file is not None:
+            self._file.write_text(name)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = round(time.perf_counter() - t, 3)
+
+
+def run_rank(spec: dict) -> dict:
+    """Build, (train,) save and record one rank. Never raises: errors land in result["error"]."""
+    work_dir = Path(spec["work_dir"])
+    distributed = bool(spec.get("distributed"))
+    rank = _rank() if distributed else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else 0
+    world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
+    phase = _Phases(work_dir, rank)
+    result: dict = {"rank": rank, "world_size": world, "error": None, "phase": None, "save_output": ""}
+    captured = io.StringIO()
+    try:
+        with phase("load"):
+            funcs, method, how = load_save_functions(spec["utils_path"], spec["import_root"], spec["module_name"])
+            result.update(load_method=method, load_detail=how, functions=sorted(funcs))
+            if SAVE_HF not in funcs:
+                raise RuntimeError(f"{spec['utils_path']} defines no {SAVE_HF}")
+        with phase("build"):
+            import torch
+
+            torch_dtype = getattr(torch, DTYPES[spec["dtype"]])
+            if spec["device"] == "cuda":
+                torch.cuda.set_device(local_rank)
+                device = torch.device("cuda", local_rank)
+                torch.cuda.reset_peak_memory_stats(device)
+            else:
+                device = torch.device("cpu")
+            result["device"] = str(device)
+            torch.manual_seed(int(spec["seed"]))
+            tokenizer, tok_how = build_tokenizer(spec)
+            result["tokenizer"] = tok_how
+            model = build_model(spec, torch_dtype)
+            vocab = int(model.config.vocab_size)
+            ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"][:, :16] % vocab
+            result["state_dict_keys"] = len(model.state_dict())
+        engine = None
+        if spec["engine"]:
+            with phase("engine"):
+                import deepspeed
+
+                backend = "nccl" if spec["device"] == "cuda" else "gloo"
+                from datetime import timedelta
+
+                deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(spec["dist_timeout"])))
+                result["backend"] = backend
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                engine, *_ = deepspeed.initialize(model=model, optimizer=opt,
+                                                  config=_ds_config(int(spec["zero_stage"]), spec["dtype"]))
+                runner = engine
+                device = engine.device
+        else:
+            model.to(device)
+            runner = model
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = ids.to(device)
+        if int(spec["train_steps"]) > 0:
+            with phase("train"):
+                runner.train()
+                for _ in range(int(spec["train_steps"])):
+                    loss = runner(input_ids=ids, labels=ids).loss
+                    if engine is not None:
+                        engine.backward(loss)
+                        engine.step()
+                    else:
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                result["loss"] = float(loss.detach().float().cpu())
+        with phase("reference"):
+            runner.eval()
+            with torch.no_grad():
+                logits = runner(input_ids=ids).logits
+            if rank == 0:
+                from safetensors.torch import save_file
+
+                save_file({"input_ids": ids.cpu().contiguous(), "logits": logits.detach().cpu().contiguous()},
+                          str(work_dir / REF_FILE))
+            if engine is not None and int(spec["zero_stage"]) == 3:
+                # A no-grad forward leaves ZeRO-3 parameters gathered until the next step; partition them
+                # again, so the save sees what it sees after training: [0]-shaped placeholders.
+                engine.empty_partition_cache()
+                params = list(engine.module.parameters())
+                result["partitioned"] = [sum(1 for p in params if hasattr(p, "ds_id") and p.numel() == 0), len(params)]
+        with phase("save"):
+            # As step-1 main.py does it, with `model` being what deepspeed.initialize returned.
+            args = Namespace(output_dir=spec["out_dir"], global_rank=rank, local_rank=local_rank,
+                             zero_stage=int(spec["zero_stage"]), dtype=spec["dtype"], seed=int(spec["seed"]))
+            with contextlib.redirect_stdout(captured):
+                if rank == 0:
+                    funcs[SAVE_HF](runner, tokenizer, args)
+                if int(spec["zero_stage"]) == 3 and SAVE_Z3 in funcs:
+                    funcs[SAVE_Z3](runner, rank, args.output_dir, zero_stage=int(spec["zero_stage"]))
+            result["called_z3"] = int(spec["zero_stage"]) == 3 and SAVE_Z3 in funcs
+        if engine is not None:
+            import deepspeed
+
+            deepspeed.comm.barrier()
+    except BaseException as e:  # noqa: BLE001 - reported, and the process exits non-zero
+        result["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
+        result["traceback"] = traceback.format_exc()
+        result["phase"] = phase.current
+        if isinstance(e, KeyboardInterrupt):
+            raise
+    finally:
+        result["save_output"] = captured.getvalue()
+        result["timings"] = phase.timings
+        result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        if spec.get("device") == "cuda":
+            try:
+                import torch
+
+                result["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(local_rank) / 2**20, 1)
+            except Exception:
+                result["cuda_peak_mb"] = None
+    return result
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m torch.distributed.run ... -m patcher.smoke_worker SPEC.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    spec["distributed"] = True
+    # Keep stdout for nothing: the launcher's stdout goes to the smoke log anyway, but be explicit.
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run_rank(spec)
+    out = Path(spec["work_dir"]) / f"result-{result['rank']}.json"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2), encoding="utf-8")
+    os.replace(tmp, out)
+    if result["error"]:
+        print(f"[dsfix smoke] rank {result['rank']} failed in {result['phase']}: {result['error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

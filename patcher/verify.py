@@ -1,0 +1,385 @@
+"""Check a saved model folder against its own config.json, reading safetensors headers, not weights.
+
+``verify_folder`` works on any folder: dsfix's own saves (311 tensors for Qwen3-0.6B), a transformers
+``save_pretrained`` folder (310: the tied ``lm_head.weight`` dropped), or a broken save. It builds the
+model from config.json on the meta device to learn the expected keys, shapes and tied aliases, then
+compares the file headers with them. torch and transformers are imported inside the functions, so
+``import patcher.verify`` stays cheap for the patch path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+from patcher.errors import DsfixError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+# safetensors header dtype -> torch dtype name
+_DTYPE_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_SHOW = 3  # how many examples a failing detail names
+
+
+class Check(NamedTuple):
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    path: str
+    ok: bool
+    checks: tuple  # of Check(name, ok, detail)
+    tensors: int
+    dtype: Optional[str] = None  # the one floating dtype in the files, if they agree
+    files: tuple = ()  # the safetensors files read, relative to path
+    expected: Optional[int] = None  # keys the config's model has (tied aliases included)
+
+    def check(self, name: str) -> Optional[Check]:
+        return next((c for c in self.checks if c.name == name), None)
+
+    @property
+    def failed(self) -> tuple:
+        return tuple(c for c in self.checks if not c.ok)
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "tensors": self.tensors,
+            "expected_keys": self.expected,
+            "dtype": self.dtype,
+            "files": list(self.files),
+            "checks": [c._asdict() for c in self.checks],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+@dataclass
+class _Header:
+    """What the safetensors headers say: name -> (shape, dtype code, file)."""
+
+    entries: dict = field(default_factory=dict)
+    files: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+
+
+def checks_table(checks, title: str = "dsfix verify"):
+    """A rich Table of (name, ok, detail) rows, for the CLI and smoke to print to stderr."""
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for c in checks:
+        table.add_row(c.name, "[green]ok[/]" if c.ok else "[bold red]FAIL[/]", _escape(c.detail))
+    return table
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _examples(items, n: int = _SHOW) -> str:
+    items = list(items)
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(str(i) for i in items[:n]) + more
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+# --------------------------------------------------------------------------- reading the folder
+
+
+def _weight_files(folder: Path) -> tuple[list, Optional[dict], list]:
+    """(files, weight_map or None, problems). Raises DsfixError when there are no safetensors weights."""
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return [], None, [f"{INDEX_NAME} is unreadable: {e}"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        problems = [f"{INDEX_NAME} names shards that are missing: {_examples(missing)}"] if missing else []
+        return [f for f in files if f not in missing], weight_map, problems
+    if (folder / SINGLE_NAME).is_file():
+        return [SINGLE_NAME], None, []
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    if others:
+        return others, None, [f"no {SINGLE_NAME} or {INDEX_NAME}; found {_examples(others)}, which from_pretrained ignores"]
+    bins = sorted(p.name for p in folder.glob("*.bin"))
+    if bins:
+        raise DsfixError(f"no safetensors weights, only {_examples(bins)} (a pickle save); nothing to verify", path=str(folder))
+    raise DsfixError(f"no model weights ({SINGLE_NAME} or {INDEX_NAME}) in this folder", path=str(folder))
+
+
+def _read_headers(folder: Path, files: list, weight_map: Optional[dict]) -> _Header:
+    from safetensors import safe_open
+
+    head = _Header(files=list(files))
+    for name in files:
+        try:
+            with safe_open(str(folder / name), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    if key in head.entries:
+                        head.problems.append(f"{key} appears in both {head.entries[key][2]} and {name}")
+                    head.entries[key] = (tuple(int(d) for d in sl.get_shape()), sl.get_dtype(), name)
+        except Exception as e:  # a truncated or garbled file
+            head.problems.append(f"{name} is not a readable safetensors file: {type(e).__name__}: {e}")
+    if weight_map is not None:
+        wrong = [k for k, f in weight_map.items() if f in files and head.entries.get(k, (None, None, f))[2] != f]
+        absent = [k for k, f in weight_map.items() if f in files and k not in head.entries]
+        unlisted = [k for k in head.entries if k not in weight_map]
+        if absent:
+            head.problems.append(f"{INDEX_NAME} lists tensors its shards lack: {_examples(absent)}")
+        if wrong:
+            head.problems.append(f"{INDEX_NAME} maps tensors to the wrong shard: {_examples(wrong)}")
+        if unlisted:
+            head.problems.append(f"shards hold tensors {INDEX_NAME} does not list: {_examples(unlisted)}")
+    return head
+
+
+def _read_tensor(folder: Path, file: str, key: str):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / file), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _load_config(folder: Path) -> tuple[Optional[Any], Check, Optional[str]]:
+    """(config or None, the check, torch_dtype string from the json or None)."""
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        return None, Check("config", False, f"no {CONFIG_NAME}: from_pretrained cannot load this folder"), None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        return None, Check("config", False, f"{CONFIG_NAME} is not valid JSON: {e}"), None
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(folder))
+    except Exception as e:
+        return None, Check("config", False, f"transformers cannot read {CONFIG_NAME}: {type(e).__name__}: {e}"), None
+    cfg_dtype = raw.get("dtype") or raw.get("torch_dtype")
+    arch = ",".join(raw.get("architectures") or []) or "?"
+    tied = raw.get("tie_word_embeddings", getattr(cfg, "tie_word_embeddings", None))
+    detail = f"model_type {raw.get('model_type', '?')}, {arch}, tie_word_embeddings {tied}, dtype {cfg_dtype}"
+    return cfg, Check("config", True, detail), cfg_dtype
+
+
+def _expected_from_meta(cfg) -> tuple[dict, list]:
+    """(key -> shape, tie groups: lists of keys that are one tensor) of the config's model on meta."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    sd = model.state_dict(keep_vars=True)
+    shapes = {k: tuple(int(d) for d in v.shape) for k, v in sd.items()}
+    groups: dict = {}
+    for k, v in sd.items():
+        groups.setdefault(id(v), []).append(k)
+    return shapes, [g for g in groups.values() if len(g) > 1]
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> VerifyReport:
+    """Check the model saved in ``path``. Raises DsfixError (code 2) on bad input; failing checks give ok=False."""
+    folder = Path(path)
+    if not folder.exists():
+        raise DsfixError("no such folder", path=str(path))
+    if not folder.is_dir():
+        raise DsfixError("is not a folder", path=str(path))
+    files, weight_map, file_problems = _weight_files(folder)
+    head = _read_headers(folder, files, weight_map)
+    problems = file_problems + head.problems
+    if not head.entries and not problems:
+        raise DsfixError("the weight files hold no tensors", path=str(path))
+
+    checks: list = []
+    cfg, cfg_check, cfg_dtype = _load_config(folder)
+    checks.append(cfg_check)
+    what = f"{len(files)} shard(s) via {INDEX_NAME}" if weight_map is not None else _examples(files)
+    checks.append(Check("files", not problems, "; ".join(problems) if problems else f"{what}, {len(head.entries)} tensors"))
+
+    expected_shapes: Optional[dict] = None
+    tie_groups: list = []
+    if cfg is not None:
+        try:
+            expected_shapes, tie_groups = _expected_from_meta(cfg)
+        except Exception as e:
+            checks.append(Check("keys", False, f"cannot build a causal-LM from {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
+
+    if expected_shapes is not None:
+        checks.append(_keys_check(head, expected_shapes, tie_groups))
+        checks.append(_shapes_check(head, expected_shapes))
+    checks.append(_nonempty_check(head))
+    dtype_check, dtype_name = _dtype_check(head, cfg_dtype)
+    checks.append(dtype_check)
+    if tie_groups:
+        checks.append(_tied_check(folder, head, tie_groups))
+    if expect is not None:
+        n = len(head.entries)
+        checks.append(Check("count", n == expect, f"{n} tensors" + ("" if n == expect else f", expected {expect}")))
+    if load and cfg is not None:
+        checks.append(load_check(folder)[0])
+
+    return VerifyReport(
+        path=str(path),
+        ok=all(c.ok for c in checks),
+        checks=tuple(checks),
+        tensors=len(head.entries),
+        dtype=dtype_name,
+        files=tuple(files),
+        expected=len(expected_shapes) if expected_shapes is not None else None,
+    )
+
+
+def _keys_check(head: _Header, expected: dict, tie_groups: list) -> Check:
+    present = set(head.entries)
+    partner = {k: g for g in tie_groups for k in g}
+    missing = [k for k in expected if k not in present]
+    aliases = [k for k in missing if any(o in present for o in partner.get(k, ()) if o != k)]
+    really_missing = [k for k in missing if k not in aliases]
+    unexpected = [k for k in head.entries if k not in expected]
+    if really_missing or unexpected:
+        parts = []
+        if really_missing:
+            parts.append(f"{len(really_missing)} missing: {_examples(really_missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected: {_examples(unexpected)}")
+        return Check("keys", False, "; ".join(parts))
+    detail = f"{len(present)} of {len(expected)} keys"
+    if aliases:
+        named = [f"{k} (tied to {next(o for o in partner[k] if o in present)})" for k in aliases]
+        detail += f"; omitted tied alias {_examples(named)}"
+    return Check("keys", True, detail)
+
+
+def _shapes_check(head: _Header, expected: dict) -> Check:
+    wrong = [f"{k} {_shape(s)} != {_shape(expected[k])}" for k, (s, _, _) in head.entries.items()
+             if k in expected and tuple(s) != expected[k] and 0 not in s]
+    empty = sum(1 for k, (s, _, _) in head.entries.items() if k in expected and 0 in s and tuple(s) != expected[k])
+    if wrong or empty:
+        parts = [f"{len(wrong)} wrong: {_examples(wrong)}"] if wrong else []
+        if empty:
+            parts.append(f"{empty} empty (see non-empty)")
+        return Check("shapes", False, "; ".join(parts))
+    return Check("shapes", True, "all match the config's model")
+
+
+def _nonempty_check(head: _Header) -> Check:
+    empty = [f"{k} {_shape(s)}" for k, (s, _, _) in head.entries.items() if 0 in s]
+    if empty:
+        hint = ""
+        if any(s == (0,) for s, _, _ in head.entries.values()):
+            hint = " — shape [0] is a ZeRO-3 partitioned placeholder: gather the parameters before saving"
+        return Check("non-empty", False, f"{len(empty)} of {len(head.entries)} tensors are empty: {_examples(empty)}{hint}")
+    return Check("non-empty", True, f"{len(head.entries)} tensors, none empty")
+
+
+def _dtype_check(head: _Header, cfg_dtype: Optional[str]) -> tuple[Check, Optional[str]]:
+    floats = {}
+    for k, (_, code, _) in head.entries.items():
+        if code in _FLOAT_CODES:
+            floats.setdefault(code, []).append(k)
+    if len(floats) > 1:
+        mix = "; ".join(f"{len(v)} {_DTYPE_NAMES.get(c, c)} (e.g. {v[0]})" for c, v in sorted(floats.items(), key=lambda i: -len(i[1])))
+        return Check("dtype", False, f"floating tensors mix dtypes: {mix}"), None
+    if not floats:
+        return Check("dtype", True, "no floating tensors"), None
+    name = _DTYPE_NAMES.get(next(iter(floats)), next(iter(floats)))
+    note = ""
+    if cfg_dtype and str(cfg_dtype).replace("torch.", "") != name:
+        note = f" (config.json says {cfg_dtype}; from_pretrained(dtype='auto') would cast)"
+    return Check("dtype", True, f"all floating tensors {name}{note}"), name
+
+
+def _tied_check(folder: Path, head: _Header, tie_groups: list) -> Check:
+    import torch
+
+    notes, bad = [], []
+    for group in tie_groups:
+        present = [k for k in group if k in head.entries]
+        if len(present) < 2:
+            continue
+        first = _read_tensor(folder, head.entries[present[0]][2], present[0])
+        for other in present[1:]:
+            t = _read_tensor(folder, head.entries[other][2], other)
+            if first.shape != t.shape or first.dtype != t.dtype or not torch.equal(first, t):
+                bad.append(f"{other} != {present[0]}")
+            else:
+                notes.append(f"{other} == {present[0]}")
+    if bad:
+        return Check("tied", False, f"tied aliases differ from their partner: {_examples(bad)} "
+                                    "(from_pretrained re-ties them and silently keeps only one)")
+    if not notes:
+        return Check("tied", True, "tied aliases not stored (transformers re-ties on load)")
+    return Check("tied", True, _examples(notes))
+
+
+def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
+    """(Check, model or None): ``from_pretrained(path)`` loads with no missing, unexpected or mismatched keys."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    kwargs: dict = {"output_loading_info": True}
+    if dtype is not None:
+        kwargs[dtype_kwarg()] = dtype
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except Exception as e:
+        msg = " ".join(str(e).split())
+        return Check("load", False, f"from_pretrained failed: {type(e).__name__}: {msg[:400]}"), None
+    finally:
+        hf_logging.set_verbosity(level)
+    problems = []
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        vals = list(info.get(key) or [])
+        if vals:
+            problems.append(f"{key.replace('_', ' ')}: {_examples(vals)}")
+    if problems:
+        return Check("load", False, "from_pretrained: " + "; ".join(problems)), (model if keep_model else None)
+    if device is not None:
+        model = model.to(device)
+    return Check("load", True, "from_pretrained: no missing, unexpected or mismatched keys"), (model if keep_model else None)
+
+
+def dtype_kwarg() -> str:
+    """transformers 4.56+ renamed from_pretrained's ``torch_dtype`` to ``dtype``."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+

@@ -1,0 +1,108 @@
+"""Helpers shared by test_verify.py and test_smoke.py (imported by them; not a conftest plugin).
+
+``make_checkout`` writes a tiny DeepSpeed-Chat-shaped checkout: an upstream-like utils.py (written
+here, not copied from upstream) followed by the code under test, plus a stub step-1 main.py.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+NARROW = REPO / "fixtures" / "models" / "qwen3-narrow" / "config.json"
+FULL = REPO / "fixtures" / "models" / "qwen3-0.6b" / "config.json"
+TEMPLATE = REPO / "templates" / "save_safetensors.py"
+BROKEN = REPO / "fixtures" / "broken"
+
+# Looks like the top of DeepSpeed-Chat's utils.py: deepspeed and transformers at module level, a few
+# helpers and the pickle saves that dsfix replaces.
+UPSTREAM_LIKE = '''\
+import os
+import json
+import random
+
+import torch
+import torch.nn as nn
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from transformers import AutoTokenizer
+{extra_imports}
+
+def print_rank_0(msg, rank=None):
+    if rank is None or rank <= 0:
+        print(msg)
+
+
+def set_random_seed(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def save_hf_format(model, tokenizer, args, sub_folder=""):
+    inner = model.module if hasattr(model, "module") else model
+    out = os.path.join(args.output_dir, sub_folder)
+    os.makedirs(out, exist_ok=True)
+    weights = {{k: v for k, v in inner.state_dict().items() if "lora" not in k}}
+    torch.save(weights, os.path.join(out, "pytorch_model.bin"))
+    inner.config.to_json_file(os.path.join(out, "config.json"))
+    tokenizer.save_vocabulary(out)
+
+
+def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):
+    inner = model_ema.module if hasattr(model_ema, "module") else model_ema
+    os.makedirs(save_dir, exist_ok=True)
+    weights = {{}}
+    for name, param in inner.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
+            if global_rank == 0:
+                weights[name] = param.detach().cpu().clone()
+    if global_rank == 0:
+        torch.save(weights, os.path.join(save_dir, "pytorch_model.bin"))
+
+'''
+
+MAIN_PY = "# stub of step-1 main.py for dsfix tests\nfrom dschat.utils.utils import save_hf_format\n"
+
+
+def utils_source(body: str = "", extra_imports: str = "") -> str:
+    return UPSTREAM_LIKE.format(extra_imports=extra_imports) + "\n" + body
+
+
+def template_code() -> str:
+    return TEMPLATE.read_text(encoding="utf-8")
+
+
+def broken_code(name: str) -> str:
+    return (BROKEN / name).read_text(encoding="utf-8")
+
+
+def make_checkout(root: Path, body: str = "", layout: str = "package", extra_imports: str = "") -> Path:
+    """A DeepSpeed-Chat-like folder at ``root`` whose utils.py ends with ``body``."""
+    utils = root / ("dschat/utils/utils.py" if layout == "package" else "training/utils/utils.py")
+    utils.parent.mkdir(parents=True, exist_ok=True)
+    if layout == "package":
+        (root / "dschat/__init__.py").write_text("")
+        (root / "dschat/utils/__init__.py").write_text("")
+    utils.write_text(utils_source(body, extra_imports), encoding="utf-8")
+    main = root / "training/step1_supervised_finetuning/main.py"
+    main.parent.mkdir(parents=True, exist_ok=True)
+    main.write_text(MAIN_PY, encoding="utf-8")
+    return root
+
+
+def quiet_console():
+    """A rich Console writing to a buffer (``console.file.getvalue()``), as the CLI's stderr console would."""
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), stderr=True, width=160, color_system=None)
+
+
+def narrow_model(dtype="float32", seed=0):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from patcher.verify import dtype_kwarg
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.from_pretrained(str(NARROW))
+    return AutoModelForCausalLM.from_config(cfg, **{dtype_kwarg(): getattr(torch, dtype)})

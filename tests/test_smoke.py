@@ -1,0 +1,184 @@
+"""patcher.smoke: run a checkout's own save functions as step 1 does, then verify (CPU, narrow Qwen3).
+
+Multi-rank runs use real DeepSpeed engines on its CPU accelerator with gloo, started through
+``python -m torch.distributed.run``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest_smoke import NARROW, TEMPLATE, broken_code, make_checkout, narrow_model, quiet_console  # noqa: E402
+from patcher.errors import DsfixError  # noqa: E402
+from patcher.smoke import run_smoke  # noqa: E402
+from patcher.smoke_worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
+
+needs_template = pytest.mark.skipif(not TEMPLATE.is_file(), reason="templates/save_safetensors.py not written yet")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+
+
+def template():
+    return TEMPLATE.read_text(encoding="utf-8")
+
+
+def failed(report) -> dict:
+    return {c.name: c.detail for c in report.checks if not c.ok}
+
+
+@pytest.fixture(scope="module")
+def good_checkout(tmp_path_factory):
+    if not TEMPLATE.is_file():
+        pytest.skip("templates/save_safetensors.py not written yet")
+    return make_checkout(tmp_path_factory.mktemp("good") / "DeepSpeed-Chat", template())
+
+
+@needs_template
+def test_passes_in_process_and_keeps_stdout_clean(good_checkout, capfd):
+    console = quiet_console()
+    report = run_smoke(good_checkout, config_path=NARROW, dtype="bf16", console=console)
+    out, _ = capfd.readouterr()
+    assert out == ""  # stdout is the CLI's machine channel
+    assert report.ok, report.to_json()
+    assert report.load_method == "import" and report.load_detail == "import dschat.utils.utils"
+    assert set(report.functions) == {"save_hf_format_safetensors", "save_zero_three_model_safetensors"}
+    assert report.tensors == 311 and report.device == "cpu" and report.launcher is None
+    assert [c.name for c in report.checks] == ["functions", "save", "config", "files", "keys", "shapes", "non-empty",
+                                               "dtype", "tied", "count", "load", "logits"]
+    assert "[dsfix] verified 311 tensors" in report.save_output
+    assert report.peak_rss_mb["this process"] > 0 and report.cuda_peak_mb is None
+    assert {"load", "build", "train", "reference", "save", "verify", "reload"} <= set(report.timings)
+    text = console.file.getvalue()
+    assert "smoke passed" in text and "logits" in text
+    # the checkout's modules are not left imported, and no bytecode was written into it
+    assert "dschat" not in sys.modules and "dschat.utils.utils" not in sys.modules
+    assert not list(good_checkout.rglob("__pycache__"))
+
+
+@needs_template
+@needs_deepspeed
+def test_passes_under_zero3_with_two_ranks(good_checkout, tmp_path):
+    report = run_smoke(good_checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2,
+                       keep=tmp_path / "out", console=quiet_console())
+    assert report.ok, report.to_json()
+    assert report.backend == "gloo" and report.nproc == 2
+    assert "torch.distributed.run --standalone --nnodes 1 --nproc_per_node 2 -m patcher.smoke_worker" in report.launcher
+    save = report.check("save").detail
+    assert "310 of 310 parameters partitioned" in save
+    assert "save_zero_three_model_safetensors on all 2 ranks" in save
+    assert set(report.peak_rss_mb) == {"this process", "rank 0", "rank 1"}
+    assert (tmp_path / "out" / "model.safetensors").is_file() and report.output_dir == str(tmp_path / "out")
+
+
+def test_refuses_an_unpatched_checkout(tmp_path):
+    checkout = make_checkout(tmp_path / "DeepSpeed-Chat")
+    with pytest.raises(DsfixError) as e:
+        run_smoke(checkout, config_path=NARROW, console=quiet_console())
+    assert e.value.code == 2
+    assert "never patched: run `dsfix apply` first" in str(e.value)
+
+
+def test_refuses_bad_options(good_checkout, tmp_path):
+    for kwargs, words in (({"dtype": "int8"}, "--dtype"), ({"zero_stage": 4}, "--zero-stage"),
+                          ({"nproc": 0}, "--nproc"), ({"model_dir": tmp_path}, "not both"),
+                          ({"config_path": tmp_path / "none.json"}, "no such config")):
+        kwargs.setdefault("config_path", NARROW)
+        with pytest.raises(DsfixError) as e:
+            run_smoke(good_checkout, console=quiet_console(), **kwargs)
+        assert e.value.code == 2 and words in str(e.value)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(DsfixError, match="new or empty"):
+        run_smoke(good_checkout, config_path=NARROW, keep=tmp_path / "full", console=quiet_console())
+
+
+@needs_deepspeed
+def test_fails_on_the_article_save_under_zero3(tmp_path):
+    checkout = make_checkout(tmp_path / "DeepSpeed-Chat", broken_code("article_utils.py"))
+    report = run_smoke(checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2, console=quiet_console())
+    assert not report.ok
+    bad = failed(report)
+    assert "no config.json" in bad["config"]
+    assert "311 of 311 tensors are empty" in bad["non-empty"]
+    assert report.check("count").ok  # 311 tensors ...
+    assert report.save_output.strip() == "loaded 311 tensors"  # ... and the article's own count agrees
+    assert "no save_zero_three_model_safetensors to call under ZeRO-3" in report.check("save").detail
+
+
+def test_fails_on_a_save_without_config(tmp_path):
+    checkout = make_checkout(tmp_path / "DeepSpeed-Chat", broken_code("no_config_utils.py"))
+    report = run_smoke(checkout, config_path=NARROW, dtype="fp32", console=quiet_console())
+    assert not report.ok
+    assert set(failed(report)) == {"config"}
+    assert report.check("non-empty").ok and report.check("count").ok
+    assert report.check("logits") is None  # nothing to reload without config.json
+
+
+def test_a_save_that_raises_is_a_failed_check(tmp_path):
+    body = "def save_hf_format_safetensors(model, tokenizer, args, sub_folder=''):\n    raise ValueError('boom')\n"
+    report = run_smoke(make_checkout(tmp_path / "DeepSpeed-Chat", body), config_path=NARROW, dtype="fp32",
+                       console=quiet_console())
+    assert not report.ok
+    assert "rank 0 failed in save: ValueError: boom" in failed(report)["save"]
+    assert "no model weights" in failed(report)["weights"]
+
+
+@needs_template
+def test_ast_fallback_when_the_utils_import_fails(tmp_path):
+    checkout = make_checkout(tmp_path / "DeepSpeed-Chat", template(),
+                             extra_imports="import dsfix_test_missing_module  # stands in for a missing deepspeed")
+    report = run_smoke(checkout, config_path=NARROW, dtype="fp32", console=quiet_console())
+    assert report.ok, report.to_json()
+    assert report.load_method == "ast"
+    assert "ModuleNotFoundError: No module named 'dsfix_test_missing_module'" in report.load_detail
+    assert "skipped imports" in report.load_detail
+
+
+def test_ast_extraction_runs_only_imports_and_dsfix_definitions(tmp_path):
+    utils = tmp_path / "utils.py"
+    utils.write_text(
+        "from __future__ import annotations\n"
+        "import os\n"
+        "import dsfix_test_missing_module\n"
+        "raise SystemExit('top-level code must not run')\n"
+        "_DSFIX_X = 3\n"
+        "OTHER = 4\n"
+        "def other():\n    pass\n"
+        "def _dsfix_helper(a: NotDefined) -> int:\n    return _DSFIX_X + len(os.sep)\n"
+        "def save_hf_format_safetensors(model, tokenizer, args, sub_folder=''):\n    return _dsfix_helper(1)\n"
+    )
+    ns, skipped = extract_definitions(utils)
+    assert ns["save_hf_format_safetensors"](None, None, None) == 4
+    assert "OTHER" not in ns and "other" not in ns
+    assert len(skipped) == 1 and "dsfix_test_missing_module" in skipped[0]
+
+
+@needs_template
+def test_legacy_layout(tmp_path):
+    checkout = make_checkout(tmp_path / "DeepSpeed-Chat", template(), layout="legacy")
+    report = run_smoke(checkout, config_path=NARROW, dtype="fp32", console=quiet_console())
+    assert report.ok, report.to_json()
+    assert report.load_detail == "import utils.utils"
+
+
+@needs_template
+def test_real_weights_from_a_model_dir(good_checkout, tmp_path):
+    model_dir = tmp_path / "model"
+    narrow_model("float32", seed=3).save_pretrained(str(model_dir))
+    make_tiny_tokenizer(tmp_path / "tok-src").save_pretrained(str(model_dir))
+    report = run_smoke(good_checkout, model_dir=model_dir, dtype="fp32", console=quiet_console(), train_steps=0)
+    assert report.ok, report.to_json()
+
+
+@needs_template
+@pytest.mark.skipif(os.environ.get("DSFIX_SKIP_FULL") == "1", reason="DSFIX_SKIP_FULL=1")
+def test_full_qwen3_0_6b_config_in_process(good_checkout):
+    """The default bundled config (596M parameters, random bf16 weights); about 25 s on 2 CPU cores."""
+    report = run_smoke(good_checkout, console=quiet_console(), train_steps=0)
+    assert report.ok, report.to_json()
+    assert report.tensors == 311 and report.dtype == "bf16"

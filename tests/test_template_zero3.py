@@ -1,0 +1,144 @@
+"""The template under real DeepSpeed: ZeRO-3 on 2 CPU ranks (gloo) and ZeRO-0 on 1, via the launcher.
+
+fixtures/step1_trainer/train.py trains the narrow Qwen3 a few steps and saves the way
+DeepSpeed-Chat's step 1 does, with the two functions loaded from templates/save_safetensors.py.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+pytest.importorskip("deepspeed")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINER = os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "train.py")
+TEMPLATE = os.path.join(REPO_ROOT, "templates", "save_safetensors.py")
+LAUNCH_TIMEOUT_S = 240
+QWEN3_KEYS = 311
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launcher():
+    found = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
+    if found is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    return found
+
+
+def run_trainer(tmp_path, nprocs, zero_stage, *extra):
+    """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout."""
+    cmd = [_launcher(), "--num_gpus", str(nprocs), "--master_port", str(_free_port()), TRAINER,
+           "--utils", TEMPLATE, "--output_dir", str(tmp_path / "out"),
+           "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started: launcher and its ranks
+        output, _ = proc.communicate()
+        pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
+    return proc.returncode, output
+
+
+def _saved_tensors(out):
+    index = out / "model.safetensors.index.json"
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    tensors, headers = {}, {}
+    for name in files:
+        tensors.update(load_file(str(out / name)))
+        with safe_open(str(out / name), framework="pt") as handle:
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                headers[key] = (piece.get_shape(), piece.get_dtype())
+    return tensors, headers, files
+
+
+def _check_against_reference(tmp_path, expected_keys, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "out"
+    names = set(os.listdir(out))
+    assert "config.json" in names and "tokenizer_config.json" in names
+    assert not any(n.startswith("pytorch_model") for n in names), names
+    assert not any(n.endswith(".dsfix-tmp") for n in names), names
+    tensors, headers, files = _saved_tensors(out)
+    ref = torch.load(str(tmp_path / "ref" / "reference.pt"))
+    reference = ref["state_dict"]
+    assert len(reference) == QWEN3_KEYS
+    assert len(tensors) == expected_keys
+    for key, value in tensors.items():
+        assert value.numel() > 0, key
+        assert value.dtype == dtype, key
+        assert torch.equal(value, reference[key]), key
+    assert set(reference) - set(tensors) <= {"lm_head.weight"}
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, reference[key]), key
+    if dtype == torch.float32:
+        with torch.no_grad():
+            logits = model(input_ids=ref["probe"]).logits
+        assert torch.equal(logits, ref["logits"])
+    assert AutoTokenizer.from_pretrained(str(out))("what is tea").input_ids
+    return files
+
+
+def test_zero3_two_cpu_ranks_clone(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "pytorch_model.bin").write_text("stale")
+    code, output = run_trainer(tmp_path, 2, 3)
+    assert code == 0, output[-6000:]
+    assert '"world_size": 2' in output and '"zero_stage": 3' in output
+    assert "[dsfix] lm_head.weight shares storage with model.embed_tokens.weight: written as its own copy" in output
+    assert "[dsfix] verified 311 tensors (names, shapes, dtypes; none empty)" in output
+    assert "written by save_zero_three_model_safetensors" in output
+    assert "[train] ZeRO-3: 310 of 310 parameters partitioned before saving" in output  # all gathered
+    assert output.count("[dsfix] saved weights") == 1  # rank 0 only
+    files = _check_against_reference(tmp_path, QWEN3_KEYS, torch.float32)
+    assert files == ["model.safetensors"]
+
+
+def test_zero3_two_cpu_ranks_bf16_dedupe_sharded(tmp_path):
+    # DeepSpeed-Chat's threshold 1e4: small parameters stay whole, the embedding is gathered.
+    code, output = run_trainer(tmp_path, 2, 3, "--dtype", "bf16", "--strategy", "dedupe",
+                               "--max_shard_size", "400000", "--persistence_threshold", "1e4")
+    assert code == 0, output[-6000:]
+    assert "[train] ZeRO-3: 1 of 310 parameters partitioned before saving" in output
+    assert "verified 310 tensors" in output
+    files = _check_against_reference(tmp_path, QWEN3_KEYS - 1, torch.bfloat16)
+    assert len(files) > 1
+
+
+def test_zero3_placeholders_without_gathering_are_refused(tmp_path):
+    # Passing zero_stage=0 under ZeRO-3 makes rank 0 write without gathering: the empty
+    # placeholders must fail verification, not be reported as 311 saved tensors.
+    code, output = run_trainer(tmp_path, 2, 3, "--misuse_zero_stage", "0")
+    assert code != 0
+    assert "verification failed" in output and "ZeRO-3 placeholder" in output
+    assert "[dsfix] verified" not in output
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_zero0_one_rank(tmp_path):
+    code, output = run_trainer(tmp_path, 1, 0)
+    assert code == 0, output[-6000:]
+    assert "verified 311 tensors" in output
+    assert "written by save_zero_three_model_safetensors" not in output
+    _check_against_reference(tmp_path, QWEN3_KEYS, torch.float32)

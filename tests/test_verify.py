@@ -1,0 +1,207 @@
+"""patcher.verify: checks a saved folder against its config, reading headers (CPU, narrow Qwen3)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from conftest_smoke import BROKEN, FULL, NARROW, make_checkout, narrow_model, quiet_console  # noqa: E402
+from patcher.errors import DsfixError  # noqa: E402
+from patcher.verify import VerifyReport, verify_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return narrow_model("float32", seed=0)
+
+
+def write_folder(path, model, tensors=None, config=True):
+    """config.json (unless config=False) and model.safetensors holding ``tensors`` (default: every state-dict key)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if tensors is None:
+        tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        model.config.to_json_file(str(path / "config.json"))
+    return path
+
+
+def state(model):
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def failed(report: VerifyReport) -> dict:
+    return {c.name: c.detail for c in report.checks if not c.ok}
+
+
+def test_accepts_a_correct_folder_with_311_tensors(tmp_path, model):
+    report = verify_folder(write_folder(tmp_path / "good", model), expect=311)
+    assert report.ok, failed(report)
+    assert report.tensors == 311 and report.expected == 311
+    assert report.dtype == "float32"
+    assert [c.name for c in report.checks] == ["config", "files", "keys", "shapes", "non-empty", "dtype", "tied",
+                                               "count", "load"]
+    assert "lm_head.weight == model.embed_tokens.weight" in report.check("tied").detail
+    data = json.loads(report.to_json())
+    assert data["ok"] is True and data["tensors"] == 311 and len(data["checks"]) == 9
+
+
+def test_accepts_save_pretrained_without_the_tied_alias(tmp_path, model):
+    model.save_pretrained(str(tmp_path / "hf"))
+    report = verify_folder(tmp_path / "hf", expect=310)
+    assert report.ok, failed(report)
+    assert report.tensors == 310
+    assert "omitted tied alias lm_head.weight (tied to model.embed_tokens.weight)" in report.check("keys").detail
+    assert "not stored" in report.check("tied").detail
+
+
+def test_accepts_shards_with_an_index(tmp_path, model):
+    sd = state(model)
+    keys = list(sd)
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    halves = {"model-00001-of-00002.safetensors": keys[:150], "model-00002-of-00002.safetensors": keys[150:]}
+    for name, ks in halves.items():
+        save_file({k: sd[k] for k in ks}, str(folder / name), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: n for n, ks in halves.items() for k in ks}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    model.config.to_json_file(str(folder / "config.json"))
+    report = verify_folder(folder, expect=311)
+    assert report.ok, failed(report)
+    assert report.files == tuple(sorted(halves))
+
+    os.remove(folder / "model-00002-of-00002.safetensors")
+    report = verify_folder(folder, load=False)
+    assert not report.ok
+    assert "missing" in failed(report)["files"] and "model-00002-of-00002.safetensors" in failed(report)["files"]
+
+
+@pytest.fixture(scope="module")
+def zero3_article_folder(tmp_path_factory):
+    """The article's save run on a real 1-rank DeepSpeed ZeRO-3 engine (gloo): [0]-shaped placeholders, no config."""
+    pytest.importorskip("deepspeed")
+    from patcher.smoke import run_smoke
+
+    base = tmp_path_factory.mktemp("z3article")
+    checkout = make_checkout(base / "chat", (BROKEN / "article_utils.py").read_text())
+    report = run_smoke(checkout, zero_stage=3, nproc=1, dtype="fp32", config_path=NARROW, keep=base / "out",
+                       console=quiet_console(), train_steps=0)
+    assert report.check("save").ok, report.to_json()
+    assert "loaded 311 tensors" in report.save_output  # the article's own count says all is well
+    return base / "out"
+
+
+def test_fails_on_zero3_placeholders(tmp_path, zero3_article_folder):
+    report = verify_folder(zero3_article_folder, expect=311)
+    bad = failed(report)
+    assert "no config.json" in bad["config"]
+    assert "311 of 311 tensors are empty" in bad["non-empty"] and "ZeRO-3" in bad["non-empty"]
+    assert report.check("count").ok  # 311 tensors, and still broken: a count is not a check
+
+    # With a config.json added, the empty tensors alone still fail it, now also by shape and on load.
+    folder = tmp_path / "with-config"
+    shutil.copytree(zero3_article_folder, folder)
+    shutil.copy(NARROW, folder / "config.json")
+    report = verify_folder(folder)
+    bad = failed(report)
+    assert report.check("config").ok and report.check("keys").ok
+    assert set(bad) == {"shapes", "non-empty", "load"}, bad
+    assert "311 empty" in bad["shapes"]
+    assert "lm_head.weight [0]" in bad["non-empty"]
+
+
+def test_fails_without_config(tmp_path, model):
+    report = verify_folder(write_folder(tmp_path / "nocfg", model, config=False), expect=311)
+    assert set(failed(report)) == {"config"}
+    assert "no config.json" in failed(report)["config"]
+    assert report.check("load") is None  # not attempted without a config
+    assert report.check("non-empty").ok and report.check("count").ok
+
+
+def test_fails_on_a_wrong_shape(tmp_path, model):
+    sd = state(model)
+    sd["model.layers.3.mlp.up_proj.weight"] = sd["model.layers.3.mlp.up_proj.weight"][:100].clone()
+    report = verify_folder(write_folder(tmp_path / "shape", model, sd))
+    bad = failed(report)
+    assert "shapes" in bad and "model.layers.3.mlp.up_proj.weight [100, 64] != [128, 64]" in bad["shapes"]
+    assert "load" in bad
+    assert report.check("non-empty").ok
+
+
+def test_fails_when_the_tied_alias_differs(tmp_path, model):
+    sd = state(model)
+    sd["lm_head.weight"] = sd["lm_head.weight"] + 1.0
+    report = verify_folder(write_folder(tmp_path / "tied", model, sd), load=False)
+    assert set(failed(report)) == {"tied"}
+    assert "lm_head.weight != model.embed_tokens.weight" in failed(report)["tied"]
+
+
+def test_fails_on_a_missing_key_that_is_not_a_tied_alias(tmp_path, model):
+    sd = state(model)
+    del sd["model.norm.weight"]
+    report = verify_folder(write_folder(tmp_path / "missing", model, sd), load=False)
+    assert "1 missing: model.norm.weight" in failed(report)["keys"]
+
+
+def test_fails_on_mixed_dtypes(tmp_path, model):
+    sd = state(model)
+    sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.bfloat16)
+    report = verify_folder(write_folder(tmp_path / "mixed", model, sd), load=False)
+    assert "mix dtypes" in failed(report)["dtype"] and "bfloat16" in failed(report)["dtype"]
+
+
+def test_expect_counts_tensors(tmp_path, model):
+    folder = write_folder(tmp_path / "count", model)
+    report = verify_folder(folder, expect=310, load=False)
+    assert set(failed(report)) == {"count"}
+    assert failed(report)["count"] == "311 tensors, expected 310"
+    assert verify_folder(folder, expect=311, load=False).ok
+
+
+def test_bad_input_raises_code_2(tmp_path, model):
+    with pytest.raises(DsfixError) as e:
+        verify_folder(tmp_path / "nope")
+    assert e.value.code == 2
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DsfixError) as e:
+        verify_folder(tmp_path / "file")
+    assert e.value.code == 2 and "not a folder" in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DsfixError) as e:
+        verify_folder(tmp_path / "empty")
+    assert e.value.code == 2 and "no model weights" in str(e.value)
+    (tmp_path / "pickle").mkdir()
+    torch.save({}, tmp_path / "pickle" / "pytorch_model.bin")
+    with pytest.raises(DsfixError) as e:
+        verify_folder(tmp_path / "pickle")
+    assert e.value.code == 2 and "pytorch_model.bin" in str(e.value)
+
+
+def test_fixture_configs_have_311_keys():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for path, params in ((NARROW, None), (FULL, 596049920)):
+        cfg = AutoConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(cfg)
+        sd = m.state_dict(keep_vars=True)
+        assert len(sd) == 311 and sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
+        if params:
+            assert sum(p.numel() for p in m.parameters()) == params
+            assert (cfg.vocab_size, cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim) == (151936, 1024, 8, 128)
+
+
+def test_import_does_not_load_torch():
+    code = "import sys, patcher.verify, patcher.smoke; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
