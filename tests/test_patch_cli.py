@@ -171,3 +171,14 @@ def test_article_hand_edit_is_replaced_and_restored(tmp_path):
     assert b"save_file, load_file" not in utils  # only the replaced code used them
     assert cli("revert", co)[0] == 0
     assert snapshot(co) == before
+
+
+def test_readme_test_command_is_what_ci_runs():
+    from patchkit import REPO
+
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    lines = [l for l in readme.splitlines() if l.startswith("python3 -m venv")]
+    assert len(lines) == 2 and lines[0].endswith("dsfix demo") and lines[1].endswith("python -m pytest -q")
+    for part in ("'torch==2.13.0'", "DS_BUILD_OPS=0", "-e '.[test]'", "python -m pytest -q"):
+        assert part in lines[1] and part in ci, part
