@@ -300,6 +300,14 @@ def _dsfix_fsync_dir(path):
         os.close(fd)
 
 
+def _dsfix_remove_leftovers(out_dir):
+    """Removes temporary weight files that a killed earlier save left behind in ``out_dir``."""
+    for name in os.listdir(out_dir):
+        if name.startswith(".") and name.endswith(_DSFIX_TMP_SUFFIX) and _dsfix_is_weight_file(
+                name[1:].rsplit(".", 2)[0]):
+            _dsfix_remove_quietly(os.path.join(out_dir, name))
+
+
 def _dsfix_write_files(out_dir, layout, visit, is_writer, collective):
     """Streams every shard to a temporary file; returns [(temporary path, final name)].
 
@@ -324,6 +332,8 @@ def _dsfix_write_files(out_dir, layout, visit, is_writer, collective):
                 raise
             state["error"] = exc
 
+    if is_writer:
+        _dsfix_remove_leftovers(out_dir)
     try:
         for name, header, entries, data_bytes in layout:
             if is_writer and state["error"] is None:

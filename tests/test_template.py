@@ -503,6 +503,15 @@ def test_failed_save_keeps_previous_good_file(tmp_path, tiny_qwen3, tiny_qwen3_h
     assert _leftovers(tmp_path) == []
 
 
+def test_temp_files_of_a_killed_save_are_cleaned_up(tmp_path, tiny_qwen3):
+    leftovers = [".model.safetensors.4242.dsfix-tmp", ".model-00001-of-00003.safetensors.77.dsfix-tmp"]
+    for name in leftovers + [".mine.dsfix-tmp"]:
+        (tmp_path / name).write_bytes(b"torn")
+    T.save_hf_format_safetensors(tiny_qwen3, None, _args(tmp_path))
+    names = set(os.listdir(tmp_path))
+    assert not names & set(leftovers) and ".mine.dsfix-tmp" in names
+
+
 def test_stale_weight_files_are_removed(tmp_path, tiny_qwen3, capsys):
     for name in ("pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json",
                  "model-00001-of-00009.safetensors", "model.safetensors.index.json", "training_args.bin",
