@@ -38,10 +38,10 @@ def _launcher():
     return found
 
 
-def run_trainer(tmp_path, nprocs, zero_stage, *extra):
+def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=TEMPLATE):
     """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout."""
     cmd = [_launcher(), "--num_gpus", str(nprocs), "--master_port", str(_free_port()), TRAINER,
-           "--utils", TEMPLATE, "--output_dir", str(tmp_path / "out"),
+           "--utils", str(utils), "--output_dir", str(tmp_path / "out"),
            "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -141,4 +141,18 @@ def test_zero0_one_rank(tmp_path):
     assert code == 0, output[-6000:]
     assert "verified 311 tensors" in output
     assert "written by save_zero_three_model_safetensors" not in output
+    _check_against_reference(tmp_path, QWEN3_KEYS, torch.float32)
+
+
+def test_zero3_two_cpu_ranks_with_a_checkout_patched_by_dsfix(tmp_path):
+    """The same save sequence, with the functions dsfix apply inserted into a fixture checkout's utils.py."""
+    from patcher import pipeline
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(os.path.join(REPO_ROOT, "fixtures", "checkouts", "package"), checkout)
+    assert pipeline.apply(checkout).exit_code == 0
+    code, output = run_trainer(tmp_path, 2, 3, utils=checkout / "dschat" / "utils" / "utils.py")
+    assert code == 0, output[-6000:]
+    assert "[dsfix] verified 311 tensors (names, shapes, dtypes; none empty)" in output
+    assert "[train] ZeRO-3: 310 of 310 parameters partitioned before saving" in output
     _check_against_reference(tmp_path, QWEN3_KEYS, torch.float32)
