@@ -1,0 +1,72 @@
+"""Exit codes of verify, smoke and demo through the real command line (CliRunner and a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import types
+
+import pytest
+
+from conftest_smoke import NARROW, broken_code, make_checkout, narrow_model
+from patchkit import FIXTURES, cli, copy_fixture, run
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A folder written by the template's save on the narrow Qwen3 (311 tensors)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dsfix_tpl_cli", FIXTURES.parent.parent / "templates" / "save_safetensors.py")
+    tpl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tpl)
+    out = tmp_path_factory.mktemp("saved")
+    tpl.save_hf_format_safetensors(narrow_model(), None, types.SimpleNamespace(output_dir=str(out)))
+    return out
+
+
+def test_verify_exit_codes(saved, tmp_path):
+    code, out, _ = cli("verify", saved, "--expect", "311", "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+
+    broken = tmp_path / "noconfig"
+    shutil.copytree(saved, broken)
+    (broken / "config.json").unlink()
+    p = run("verify", broken)
+    assert p.returncode == 1 and b"config" in p.stderr
+
+    assert cli("verify", saved, "--expect", "310")[0] == 1
+    p = run("verify", tmp_path / "missing")
+    assert p.returncode == 2 and p.stderr.decode().startswith("dsfix: error:")
+    assert cli("verify", tmp_path)[0] == 2  # a folder with no weights at all
+
+
+def test_smoke_exit_codes(tmp_path):
+    patched = copy_fixture("package", tmp_path)
+    assert cli("apply", patched)[0] == 0
+    p = run("smoke", patched, "--device", "cpu", "--dtype", "fp32", "--config", NARROW, "--expect", "311", "--json", timeout=600)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    report = json.loads(p.stdout)
+    assert report["ok"] and report["tensors"] == 311
+
+    unpatched = copy_fixture("legacy", tmp_path)
+    p = run("smoke", unpatched, "--device", "cpu", "--config", NARROW)
+    assert p.returncode == 2 and b"never patched" in p.stderr and b"dsfix apply" in p.stderr
+
+    # the article's hand edit is runnable by smoke too, and fails: it writes no config.json
+    article = copy_fixture("article", tmp_path)
+    p = run("smoke", article, "--device", "cpu", "--dtype", "fp32", "--config", NARROW, timeout=600)
+    assert p.returncode == 1 and b"config" in p.stderr
+
+    no_config = make_checkout(tmp_path / "noconfig", body=broken_code("no_config_utils.py"))
+    p = run("smoke", no_config, "--device", "cpu", "--dtype", "fp32", "--config", NARROW, timeout=600)
+    assert p.returncode == 1
+
+
+def test_demo_passes(tmp_path):
+    """The README's first command ends in `dsfix demo`: it must pass (full Qwen3-0.6B config, CPU)."""
+    p = run("demo", "--device", "cpu", "--keep", tmp_path / "demo", timeout=900)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert b"demo passed" in p.stderr and b"311 tensors" in p.stderr
+    assert p.stdout.startswith(b"diff --git a/dschat/utils/utils.py")
