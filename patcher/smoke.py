@@ -343,7 +343,7 @@ def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> Sm
             timings.update({k: v for k, v in r0.get("timings", {}).items()})
         errors = [r for r in results if r.get("error")]
         if not checks:
-            checks.extend(_rank_checks(results, r0, errors, rc, nproc, zero))
+            checks.extend(_rank_checks(results, r0, errors, rc, nproc, zero, Path(spec["work_dir"])))
 
         weights_written = any(c.name == "save" and c.ok for c in checks)
         vreport = None
@@ -398,10 +398,26 @@ def _tail(path: Path, n: int = 30) -> str:
         return ""
 
 
-def _rank_checks(results: list, r0: Optional[dict], errors: list, rc, nproc: int, zero: int) -> list:
+def _no_result_reason(rc, work_dir: Optional[Path]) -> str:
+    """Why rank 0 left no result: its last phase, and whether it was killed (most often: out of host memory)."""
+    phase, log = None, ""
+    if work_dir is not None:
+        with contextlib.suppress(OSError):
+            phase = (work_dir / "phase-0.txt").read_text().strip() or None
+        with contextlib.suppress(OSError):
+            log = (work_dir / "ranks.log").read_text(errors="replace")
+    where = f" during {phase}" if phase else ""
+    if "exitcode : -9" in log or "SIGKILL" in log or rc in (-9, 137):
+        return (f"rank 0 was killed{where} (SIGKILL: most often the machine ran out of host memory); "
+                "try fewer ranks (--nproc), the narrow --config, or a GPU")
+    return f"rank 0 left no result{where} (launcher exit {rc}); see the log lines below"
+
+
+def _rank_checks(results: list, r0: Optional[dict], errors: list, rc, nproc: int, zero: int,
+                 work_dir: Optional[Path] = None) -> list:
     checks = []
     if r0 is None:
-        return [Check("save", False, f"rank 0 left no result (launcher exit {rc}); see log_tail")]
+        return [Check("save", False, _no_result_reason(rc, work_dir))]
     if r0.get("load_method"):
         fns = ", ".join(r0.get("functions", [])) or "none"
         checks.append(Check("functions", True, f"{fns} via {r0['load_method']}: {r0.get('load_detail')}"))
