@@ -40,6 +40,7 @@ def good_checkout(tmp_path_factory):
 
 @needs_template
 def test_passes_in_process_and_keeps_stdout_clean(good_checkout, capfd):
+    pytest.importorskip("deepspeed")  # the checkout's utils.py imports it; without it smoke takes the ast path
     console = quiet_console()
     report = run_smoke(good_checkout, config_path=NARROW, dtype="bf16", console=console)
     out, _ = capfd.readouterr()
@@ -160,6 +161,7 @@ def test_ast_extraction_runs_only_imports_and_dsfix_definitions(tmp_path):
 
 @needs_template
 def test_legacy_layout(tmp_path):
+    pytest.importorskip("deepspeed")
     checkout = make_checkout(tmp_path / "DeepSpeed-Chat", template(), layout="legacy")
     report = run_smoke(checkout, config_path=NARROW, dtype="fp32", console=quiet_console())
     assert report.ok, report.to_json()
