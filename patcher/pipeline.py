@@ -108,6 +108,8 @@ def apply(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
         if not pending:
             out.message = "nothing to do: already patched"
             return out
+        for c in pending:
+            planner.reparse(c)
         state = st.State.load(co.root)
         previous = dict(state.data)
         for c in pending:

@@ -58,27 +58,38 @@ def parse(data: bytes, rel: str) -> cst.Module:
 
 
 def render(module: cst.Module, rel: str) -> bytes:
-    """The module's bytes in its own encoding, re-parsed to be sure they are valid Python."""
+    """The module's bytes in its own encoding, compiled by Python to be sure they are valid."""
     try:
         data = module.bytes
     except UnicodeEncodeError as e:
         raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
-    cst.parse_module(data)
     try:
         compile(data, rel, "exec", dont_inherit=True)
-    except SyntaxError as e:  # pragma: no cover - libcst accepted it, so this is a dsfix bug
+    except SyntaxError as e:  # pragma: no cover - a dsfix bug, caught before anything is written
         raise DsfixError(f"dsfix produced code that does not compile: {e.msg}", path=rel, line=e.lineno)
     return data
+
+
+def reparse(change: FileChange) -> None:
+    """Before writing: the new text must parse again with libcst, so a later dsfix can read it back."""
+    try:
+        cst.parse_module(change.new)
+    except cst.ParserSyntaxError as e:  # pragma: no cover - a dsfix bug, caught before anything is written
+        raise DsfixError(f"dsfix produced code it cannot parse back: {e.message.strip()}", path=change.rel,
+                         line=e.raw_line) from None
 
 
 def utils_modules(layout_module: str) -> tuple:
     return tuple(dict.fromkeys((layout_module, *transforms.UTILS_MODULES)))
 
 
+def _outcome(res, old: bytes, rel: str, role: str) -> FileChange:
+    new = render(res.module, rel) if res.original is not None else old
+    return FileChange(rel, role, old, new, tuple(res.notes) if new != old else ())
+
+
 def plan_utils(old: bytes, rel: str, tpl: Template, strategy: str) -> FileChange:
-    res = transforms.patch_utils(parse(old, rel), tpl, strategy)
-    new = render(res.module, rel) if res.changed else old
-    return FileChange(rel, "utils", old, new, tuple(res.notes))
+    return _outcome(transforms.patch_utils(parse(old, rel), tpl, strategy), old, rel, "utils")
 
 
 def plan_main(old: bytes, rel: str, step: int, modules: tuple) -> FileChange:
@@ -86,8 +97,7 @@ def plan_main(old: bytes, rel: str, step: int, modules: tuple) -> FileChange:
         res = transforms.patch_main(parse(old, rel), modules)
     except DsfixError as e:
         raise DsfixError(e.message, e.code, path=rel) from None
-    new = render(res.module, rel) if res.changed else old
-    return FileChange(rel, f"step{step}", old, new, tuple(res.notes))
+    return _outcome(res, old, rel, f"step{step}")
 
 
 def make_plan(files: dict, roles: dict, tpl: Template, strategy: str, layout_module: str) -> Plan:
@@ -122,7 +132,7 @@ def unpatch(data: bytes, rel: str, role: str, layout_module: str) -> bytes:
             res = transforms.unpatch_main(module, utils_modules(layout_module))
     except DsfixError as e:
         raise DsfixError(e.message, e.code, path=rel) from None
-    return render(res.module, rel) if res.changed else data
+    return render(res.module, rel) if res.original is not None else data
 
 
 def dsfix_block(data: bytes) -> str:

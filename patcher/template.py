@@ -49,6 +49,7 @@ class Template:
     imports: tuple  # of ImportSpec
     body: str  # the top-level definitions, as source text with "\n" newlines and 4-space indents
     path: Path
+    statements: tuple = ()  # the same definitions as parsed libcst nodes (4-space indents, "\n")
 
 
 def template_path() -> Path:
@@ -99,10 +100,11 @@ def load_template(strategy: str = "clone") -> Template:
                 version = int(small.value.value)
             if name == "_DSFIX_STRATEGY":
                 stmt = stmt.with_changes(body=[small.with_changes(value=cst.SimpleString(f'"{strategy}"'))])
-            body.append(module.code_for_node(stmt.with_changes(leading_lines=[]) if not body else stmt))
+            body.append(stmt.with_changes(leading_lines=[]) if not body else stmt)
     if version is None:
         raise DsfixError("template has no _DSFIX_TEMPLATE_VERSION", path=str(path))
-    return Template(version=version, imports=tuple(imports), body="".join(body), path=path)
+    text = module.with_changes(body=body, header=[], footer=[]).code
+    return Template(version=version, imports=tuple(imports), body=text, path=path, statements=tuple(body))
 
 
 def _defined_name(stmt: cst.CSTNode) -> str | None:

@@ -28,9 +28,16 @@ MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
 
 @dataclass
 class Result:
+    """A transformed module and what was done. ``changed`` renders code, so callers holding the original
+    bytes compare those instead (one code generation, not two)."""
+
     module: cst.Module
     notes: list = field(default_factory=list)
-    changed: bool = False
+    original: cst.Module | None = None  # None: nothing was done
+
+    @property
+    def changed(self) -> bool:
+        return self.original is not None and self.module.code != self.original.code
 
 
 # ----------------------------------------------------------------------------- the marker line
@@ -217,7 +224,12 @@ def _remove_import(body: list, spec: ImportSpec) -> list:
 
 
 def _block_statements(module: cst.Module, tpl: Template, marker: str) -> list:
-    """Parse the template's code in the target file's own indentation and newline style."""
+    """The template's statements, in the target file's own indentation and newline style."""
+    lead = [cst.EmptyLine(), cst.EmptyLine(), cst.EmptyLine(comment=cst.Comment(marker))]
+    if module.default_indent == "    " and module.default_newline == "\n" and tpl.statements:
+        stmts = list(tpl.statements)  # the nodes render in the target's style as they are: no re-parse
+        stmts[0] = stmts[0].with_changes(leading_lines=lead)
+        return stmts
     text = tpl.body
     indent = module.default_indent
     if indent != "    ":
@@ -230,7 +242,6 @@ def _block_statements(module: cst.Module, tpl: Template, marker: str) -> list:
     text = text.replace("\n", module.default_newline)
     block = cst.parse_module(text, config=module.config_for_parsing)
     stmts = list(block.body)
-    lead = [cst.EmptyLine(), cst.EmptyLine(), cst.EmptyLine(comment=cst.Comment(marker))]
     stmts[0] = stmts[0].with_changes(leading_lines=lead)
     return stmts
 
@@ -275,11 +286,10 @@ def patch_utils(module: cst.Module, tpl: Template, strategy: str) -> Result:
     at = next(i for i, s in enumerate(body) if s is placeholder)
     body[at : at + 1] = _block_statements(new, tpl, make_marker(tpl.version, strategy, added, replaced))
     new = new.with_changes(body=body)
-    changed = new.code != module.code
-    if changed and info:
+    if info:
         notes.insert(0, f"upgraded dsfix's block from template {info.get('template')} strategy "
                         f"{info.get('strategy')} to v{tpl.version} strategy {strategy}")
-    return Result(new, notes if changed else [], changed=changed)
+    return Result(new, notes, original=module)
 
 
 def _drop_orphaned_imports(before: cst.Module, after: cst.Module) -> tuple:
@@ -317,7 +327,7 @@ def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> Result:
     """Remove dsfix's block and the imports it added (as recorded in its marker line)."""
     info = find_marker(module)
     if info is None:
-        return Result(module, [], changed=False)
+        return Result(module, [])
     if info.get("replaced") and not keep_replaced:
         raise DsfixError(
             f"dsfix replaced a hand-written {info['replaced']} here; its text is kept only in the state folder, "
@@ -329,7 +339,7 @@ def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> Result:
         if tok:
             body = _remove_import(body, ImportSpec.from_token(tok))
     new = module.with_changes(body=body)
-    return Result(new, ["removed dsfix's save_hf_format_safetensors block"], changed=True)
+    return Result(new, ["removed dsfix's save_hf_format_safetensors block"], original=module)
 
 
 def utils_has_save(module: cst.Module) -> bool:
@@ -478,9 +488,11 @@ def _imported_from(module: cst.Module, modules) -> set:
 
 def _name_uses(module: cst.Module, names) -> dict:
     """How many times each name is read in the module (outside import statements)."""
+    return _count_uses(MetadataWrapper(module, unsafe_skip_copy=True).resolve(ScopeProvider), names)
+
+
+def _count_uses(scopes, names) -> dict:
     counts = {n: 0 for n in names}
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    scopes = wrapper.resolve(ScopeProvider)
     for scope in set(scopes.values()):
         if scope is None:
             continue
@@ -491,19 +503,25 @@ def _name_uses(module: cst.Module, names) -> dict:
 
 
 def rename_calls(module: cst.Module, mapping: dict, modules=UTILS_MODULES) -> Result:
-    wrapper = MetadataWrapper(module)
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     renamer = _Renamer(mapping, modules)
     renamed = wrapper.visit(renamer)
     if not renamer.renamed_calls:
-        return Result(module, [], changed=False)
-    uses = _name_uses(renamed, list(mapping) + list(mapping.values()))
+        return Result(module, [])
+    # name reads after the rewrite, from the scope analysis the rewrite already ran: each bare call renamed
+    # moves one read from the old name to the new one
+    uses = _count_uses(wrapper.resolve(ScopeProvider), list(mapping) + list(mapping.values()))
+    for old, how in renamer.renamed_calls:
+        if how == old:
+            uses[old] -= 1
+            uses[mapping[old]] += 1
     still_used = {old for old in mapping if uses[old] > 0}
     needed = {new for new in mapping.values() if uses[new] > 0}
     touched = {old for old, _how in renamer.renamed_calls}
     editor = _ImportEditor(mapping, modules, touched, still_used, needed, _imported_from(renamed, modules))
     new = renamed.visit(editor)
     notes = [_call_note(old, how, mapping[old]) for old, how in renamer.renamed_calls]
-    return Result(new, _dedupe(notes) + editor.notes, changed=new.code != module.code)
+    return Result(new, _dedupe(notes) + editor.notes, original=module)
 
 
 def _call_note(old: str, how: str, new: str) -> str:
@@ -525,7 +543,7 @@ def _dedupe(items):
 
 def patch_main(module: cst.Module, modules=UTILS_MODULES) -> Result:
     res = rename_calls(module, RENAMES, modules)
-    if not res.changed and not main_is_patched(module, modules):
+    if res.original is None and not main_is_patched(module, modules):
         raise DsfixError("has no call of save_hf_format imported from the DeepSpeed-Chat utils to rewrite")
     return res
 
