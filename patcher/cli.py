@@ -97,6 +97,10 @@ def _print_files(outcome) -> None:
 
 
 def _finish(outcome, as_json: bool) -> None:
+    """The human summary on stderr, the JSON result on stdout if asked, then the outcome's exit code."""
+    err.print(f"dsfix {outcome.verb}: {outcome.checkout.root} ({outcome.checkout.layout} layout)", markup=False)
+    _print_files(outcome)
+    err.print(outcome.message, markup=False)
     if as_json:
         sys.stdout.write(json.dumps(outcome.to_json(), indent=2) + "\n")
     raise typer.Exit(outcome.exit_code)
@@ -118,9 +122,6 @@ def check(
         sys.stdout.flush()
         sys.stdout.buffer.write(outcome.diff)
         sys.stdout.buffer.flush()
-    err.print(f"dsfix check: {outcome.checkout.root} ({outcome.checkout.layout} layout)", markup=False)
-    _print_files(outcome)
-    err.print(outcome.message, markup=False)
     _finish(outcome, as_json)
 
 
@@ -139,9 +140,6 @@ def apply(
     from patcher import pipeline
 
     outcome = pipeline.apply(repo, strategy.value, _steps(step))
-    err.print(f"dsfix apply: {outcome.checkout.root} ({outcome.checkout.layout} layout)", markup=False)
-    _print_files(outcome)
-    err.print(outcome.message, markup=False)
     _finish(outcome, as_json)
 
 
@@ -156,9 +154,6 @@ def revert(
     from patcher import pipeline
 
     outcome = pipeline.revert(repo, force=force)
-    err.print(f"dsfix revert: {outcome.checkout.root} ({outcome.checkout.layout} layout)", markup=False)
-    _print_files(outcome)
-    err.print(outcome.message, markup=False)
     _finish(outcome, as_json)
 
 

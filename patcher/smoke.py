@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from patcher.errors import DsfixError
-from patcher.verify import Check, checks_table, load_check, verify_folder
+from patcher.verify import Check, Checks, checks_table, load_check, verify_folder
 
 SAVE_HF = "save_hf_format_safetensors"
 SAVE_Z3 = "save_zero_three_model_safetensors"
@@ -37,7 +37,7 @@ _SRC_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
-class SmokeReport:
+class SmokeReport(Checks):
     ok: bool
     checks: tuple  # of Check(name, ok, detail)
     timings: dict  # phase -> seconds (rank 0's phases, plus launch/verify/reload here)
@@ -56,13 +56,6 @@ class SmokeReport:
     save_output: str = ""  # what the save functions printed on rank 0
     output_dir: Optional[str] = None  # the kept folder, or None when it was a temp dir
     log_tail: str = ""  # the ranks' last log lines when something failed
-
-    def check(self, name: str) -> Optional[Check]:
-        return next((c for c in self.checks if c.name == name), None)
-
-    @property
-    def failed(self) -> tuple:
-        return tuple(c for c in self.checks if not c.ok)
 
     def to_dict(self) -> dict:
         return {
@@ -86,8 +79,6 @@ class SmokeReport:
             "log_tail": self.log_tail,
         }
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 # --------------------------------------------------------------------------- inputs

@@ -36,15 +36,10 @@ class Check(NamedTuple):
     detail: str
 
 
-@dataclass(frozen=True)
-class VerifyReport:
-    path: str
-    ok: bool
-    checks: tuple  # of Check(name, ok, detail)
-    tensors: int
-    dtype: Optional[str] = None  # the one floating dtype in the files, if they agree
-    files: tuple = ()  # the safetensors files read, relative to path
-    expected: Optional[int] = None  # keys the config's model has (tied aliases included)
+class Checks:
+    """What verify's and smoke's reports share: a tuple of Check, looked up by name, and JSON."""
+
+    checks: tuple
 
     def check(self, name: str) -> Optional[Check]:
         return next((c for c in self.checks if c.name == name), None)
@@ -52,6 +47,20 @@ class VerifyReport:
     @property
     def failed(self) -> tuple:
         return tuple(c for c in self.checks if not c.ok)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+@dataclass(frozen=True)
+class VerifyReport(Checks):
+    path: str
+    ok: bool
+    checks: tuple  # of Check(name, ok, detail)
+    tensors: int
+    dtype: Optional[str] = None  # the one floating dtype in the files, if they agree
+    files: tuple = ()  # the safetensors files read, relative to path
+    expected: Optional[int] = None  # keys the config's model has (tied aliases included)
 
     def to_dict(self) -> dict:
         return {
@@ -64,8 +73,6 @@ class VerifyReport:
             "checks": [c._asdict() for c in self.checks],
         }
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 @dataclass
