@@ -289,8 +289,9 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
         "dist_timeout": int(min(timeout, 1800)),
     }
     try:
-        return _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
-                    kept=out_dir if keep is not None else None)
+        with _stdout_to_stderr():  # libraries that print (DeepSpeed's logger) must not reach stdout
+            return _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
+                        kept=out_dir if keep is not None else None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if out_tmp is not None:
