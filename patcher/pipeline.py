@@ -72,16 +72,16 @@ def _display_path(co: Checkout, rel: str) -> str:
     return rel if shown.startswith("..") else Path(shown).as_posix()
 
 
-def compute_plan(repo, strategy: str = "clone", steps=(1,)):
-    co = find_checkout(repo)
+def compute_plan(co: Checkout, strategy: str = "clone", steps=(1,)):
     roles = _targets(co, steps)
     files = _read(co, roles)
     tpl = load_template(strategy)
-    return co, planner.make_plan(files, roles, tpl, strategy, co.utils_module)
+    return planner.make_plan(files, roles, tpl, strategy, co.utils_module)
 
 
 def check(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
-    co, plan = compute_plan(repo, strategy, steps)
+    co = find_checkout(repo)
+    plan = compute_plan(co, strategy, steps)
     out = Outcome("check", co, warnings=list(plan.warnings))
     diffs = []
     for c in plan.changes:
@@ -99,7 +99,7 @@ def check(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
 def apply(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
     co = find_checkout(repo)
     with st.lock(co.root):
-        co, plan = compute_plan(co.root, strategy, steps)
+        plan = compute_plan(co, strategy, steps)
         out = Outcome("apply", co, warnings=list(plan.warnings))
         pending = plan.pending
         for c in plan.changes:
