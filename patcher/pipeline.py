@@ -160,7 +160,7 @@ def _residue(data: bytes, rel: str, role: str, co: Checkout) -> bool:
     return transforms.main_is_patched(module, planner.utils_modules(co.utils_module))
 
 
-def _revert_with_state(co, state, rel, entry, force) -> planner.RevertOutcome:
+def _revert_with_state(co, state, rel, entry) -> planner.RevertOutcome:
     role = entry["role"]
     path = co.root / rel
     if not path.exists():
@@ -221,7 +221,7 @@ def revert(repo=".", force: bool = False, steps=(1, 2, 3)) -> Outcome:
     with st.lock(co.root):
         state = st.State.load(co.root)
         if state.exists:
-            results = [_revert_with_state(co, state, rel, e, force) for rel, e in sorted(state.files.items())]
+            results = [_revert_with_state(co, state, rel, e) for rel, e in sorted(state.files.items())]
         else:
             roles = {co.rel(co.utils_path): "utils"}
             roles.update({co.rel(p): f"step{s}" for s, p in co.step_mains.items() if s in steps})

@@ -14,7 +14,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, ScopeProvider
 
 from patcher.errors import DsfixError
-from patcher.template import PUBLIC_NAMES, ImportSpec, Template, _defined_name, dotted, is_dsfix_name
+from patcher.template import ImportSpec, Template, _defined_name, dotted, is_dsfix_name
 
 # old name in DeepSpeed-Chat -> the name dsfix's template defines
 RENAMES = {
@@ -342,10 +342,6 @@ def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> Result:
     return Result(new, ["removed dsfix's save_hf_format_safetensors block"], original=module)
 
 
-def utils_has_save(module: cst.Module) -> bool:
-    return any(_defined_name(s) == PUBLIC_NAMES[0] for s in module.body)
-
-
 # ----------------------------------------------------------------------------- main.py
 
 
@@ -382,8 +378,6 @@ class _Renamer(cst.CSTTransformer):
         self.modules = modules
         self.qualified = {f"{m}.{old}": old for m in modules for old in mapping}
         self.renamed_calls = []  # (old, how) for notes
-        self.renamed_nodes = set()  # func nodes (original) that were renamed
-        self.alias_calls = set()  # aliased local names called
 
     def _match(self, node) -> str | None:
         for q in self.get_metadata(QualifiedNameProvider, node, set()):
@@ -398,14 +392,11 @@ class _Renamer(cst.CSTTransformer):
         func = updated.func
         if isinstance(func, cst.Name):
             if func.value != old:  # called through an alias: the import is renamed instead
-                self.alias_calls.add(func.value)
                 self.renamed_calls.append((old, func.value))
                 return updated
-            self.renamed_nodes.add(original.func)
             self.renamed_calls.append((old, old))
             new = updated.with_changes(func=func.with_changes(value=self.mapping[old]))
         elif isinstance(func, cst.Attribute) and func.attr.value == old:
-            self.renamed_nodes.add(original.func)
             self.renamed_calls.append((old, dotted(func) if _is_dotted(func) else old))
             new = updated.with_changes(func=func.with_changes(attr=cst.Name(self.mapping[old])))
         else:
