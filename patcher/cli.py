@@ -50,6 +50,12 @@ class DType(str, Enum):
 
 REPO_ARG = typer.Argument(".", help="The DeepSpeed-Chat folder, a DeepSpeedExamples checkout, or any folder inside.")
 JSON_OPT = typer.Option(False, "--json", help="Print a machine-readable result on stdout.")
+MAIN_OPT = typer.Option(
+    None, "--main", help="The step-1 script, where it is not training/step1_supervised_finetuning/main.py."
+)
+SCRIPT_OPT = typer.Option(
+    [], "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py."
+)
 STEP_OPT = typer.Option(
     [1], "--step", help="Steps whose main.py to patch (repeatable). Step 2 breaks step 3's critic loader: see README."
 )
@@ -112,12 +118,14 @@ def check(
     repo: Path = REPO_ARG,
     strategy: Strategy = typer.Option(Strategy.clone, help="How to save tied weights (see apply)."),
     step: List[int] = STEP_OPT,
+    main_script: Optional[Path] = MAIN_OPT,
+    script: List[Path] = SCRIPT_OPT,
     as_json: bool = JSON_OPT,
 ):
     """Print the diff apply would make; write nothing. Exit 0: nothing to do, 1: changes pending, 2: error."""
     from patcher import pipeline
 
-    outcome = pipeline.check(repo, strategy.value, _steps(step))
+    outcome = pipeline.check(repo, strategy.value, _steps(step), main_script, script)
     if not as_json:
         sys.stdout.flush()
         sys.stdout.buffer.write(outcome.diff)
@@ -134,12 +142,14 @@ def apply(
         "dedupe: transformers' layout, the alias dropped (310)."
     ),
     step: List[int] = STEP_OPT,
+    main_script: Optional[Path] = MAIN_OPT,
+    script: List[Path] = SCRIPT_OPT,
     as_json: bool = JSON_OPT,
 ):
     """Patch the checkout: all files or none. Exit 0: applied or already applied, 2: error (nothing written)."""
     from patcher import pipeline
 
-    outcome = pipeline.apply(repo, strategy.value, _steps(step))
+    outcome = pipeline.apply(repo, strategy.value, _steps(step), main_script, script)
     _finish(outcome, as_json)
 
 
@@ -148,12 +158,14 @@ def apply(
 def revert(
     repo: Path = REPO_ARG,
     force: bool = typer.Option(False, "--force", "-f", help="Restore originals even over later edits (kept beside as *.dsfix-edited)."),
+    main_script: Optional[Path] = MAIN_OPT,
+    script: List[Path] = SCRIPT_OPT,
     as_json: bool = JSON_OPT,
 ):
     """Undo apply. Exit 0: restored or nothing to restore, 1: refused because files changed, 2: error."""
     from patcher import pipeline
 
-    outcome = pipeline.revert(repo, force=force)
+    outcome = pipeline.revert(repo, force=force, main=main_script, scripts=script)
     _finish(outcome, as_json)
 
 

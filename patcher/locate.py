@@ -1,12 +1,14 @@
-"""REPO argument -> Checkout: find the DeepSpeed-Chat folder and its layout, the way git finds .git."""
+"""REPO argument -> Checkout: find the DeepSpeed-Chat folder, its step-1 script and the utils.py that script
+really imports (resolved by file, see patcher.resolve), the way git finds .git."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.errors import DsfixError
+from patcher.resolve import SAVE_NAMES, resolve_script
 
 STEP_DIRS = {
     1: "training/step1_supervised_finetuning",
@@ -15,35 +17,44 @@ STEP_DIRS = {
 }
 STEP_MAIN = {step: f"{d}/main.py" for step, d in STEP_DIRS.items()}
 
-# layout name -> (utils.py relative path, module name main.py imports it as)
+# layout name -> utils.py relative path
 LAYOUTS = {
-    "package": ("dschat/utils/utils.py", "dschat.utils.utils"),
-    "legacy": ("training/utils/utils.py", "utils.utils"),
+    "package": "dschat/utils/utils.py",
+    "legacy": "training/utils/utils.py",
 }
 CHAT_SUBDIR = "applications/DeepSpeed-Chat"
+_SKIP_DIRS = {".git", ".dsfix", ".venv", "venv", "env", "node_modules", "__pycache__", "site-packages", "build", "dist"}
 
 
 @dataclass(frozen=True)
 class Checkout:
-    root: Path  # the DeepSpeed-Chat folder
-    layout: str  # "package" or "legacy"
+    root: Path  # the DeepSpeed-Chat folder (or the folder given with --main)
+    layout: str  # "package", "legacy", or "fork" for a utils.py elsewhere
     utils_path: Path
     step_mains: dict  # step number -> Path of main.py (only the steps that exist)
-
-    @property
-    def utils_module(self) -> str:
-        return LAYOUTS[self.layout][1]
-
-    @property
-    def state_dir(self) -> Path:
-        return self.root / ".dsfix"
+    scripts: tuple = ()  # further step-1 entry scripts patched with --script
+    modules: dict = field(default_factory=dict)  # rel of each script -> dotted names that resolve to utils_path
+    utils_module: str = ""  # the dotted name step-1 main.py imports utils_path as
+    import_root: Path | None = None  # the folder that name resolves from
+    notes: tuple = ()  # what locating found worth telling (a shadowed copy, scripts left alone)
 
     def rel(self, path: Path) -> str:
-        return path.relative_to(self.root).as_posix()
+        return Path(os.path.abspath(path)).relative_to(self.root).as_posix()
+
+    def targets(self, steps=(1,)) -> dict:
+        """rel -> role for utils.py and the scripts of ``steps`` (step 1 includes --script ones)."""
+        roles = {self.rel(self.utils_path): "utils"}
+        for step in sorted(set(steps)):
+            if step not in self.step_mains:
+                raise DsfixError(f"this checkout has no step-{step} main.py", path=str(self.root))
+            roles[self.rel(self.step_mains[step])] = f"step{step}"
+            if step == 1:
+                roles.update({self.rel(s): "step1" for s in self.scripts})
+        return roles
 
 
 def _is_chat_root(d: Path) -> bool:
-    return (d / STEP_MAIN[1]).is_file() or any((d / u).is_file() for u, _ in LAYOUTS.values())
+    return (d / STEP_MAIN[1]).is_file() or any((d / u).is_file() for u in LAYOUTS.values())
 
 
 def _candidates(start: Path):
@@ -52,39 +63,163 @@ def _candidates(start: Path):
         yield d / CHAT_SUBDIR
 
 
-def find_checkout(repo: str | os.PathLike = ".") -> Checkout:
-    """Locate the DeepSpeed-Chat checkout at or above ``repo`` (or under its applications/DeepSpeed-Chat)."""
+def _chat_root(start: Path) -> Path | None:
+    for d in _candidates(start):
+        if d.is_dir() and _is_chat_root(d):
+            return d
+    return None
+
+
+def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None = None, scripts=()) -> Checkout:
+    """Locate the checkout at or above ``repo`` (or under its applications/DeepSpeed-Chat).
+
+    ``main``: the step-1 script, for layouts without training/step1_supervised_finetuning/main.py;
+    ``scripts``: further step-1 entry scripts to patch as well.
+    """
     start = Path(repo)
     if not start.exists():
         raise DsfixError(f"no such file or folder: {repo}")
     start = start.resolve()
     if start.is_file():
         start = start.parent
-    for d in _candidates(start):
-        if d.is_dir() and _is_chat_root(d):
-            return _checkout_at(d)
-    raise DsfixError(
-        f"no DeepSpeed-Chat checkout at or above {repo}: looked for {STEP_MAIN[1]} with "
-        f"{LAYOUTS['package'][0]} or {LAYOUTS['legacy'][0]}, also under {CHAT_SUBDIR}/"
-    )
-
-
-def _checkout_at(root: Path) -> Checkout:
-    layouts = [name for name, (u, _) in LAYOUTS.items() if (root / u).exists() or (root / u).is_symlink()]
-    if not layouts:
+    main_path = _given(main, "--main") if main is not None else None
+    root = _chat_root(start)
+    if main_path is not None and (root is None or not main_path.is_relative_to(root)):
+        root = start if main_path.is_relative_to(start) else main_path.parent
+    if root is None:
         raise DsfixError(
-            f"unknown DeepSpeed-Chat layout: neither {LAYOUTS['package'][0]} nor {LAYOUTS['legacy'][0]} exists",
-            path=str(root),
+            f"no DeepSpeed-Chat checkout at or above {repo}: looked for {STEP_MAIN[1]} with "
+            f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, also under {CHAT_SUBDIR}/"
+            + _suggest(start)
         )
-    # Both present: the package layout is the one upstream's step-1 main.py imports since late 2023.
-    layout = layouts[0]
-    utils_path = root / LAYOUTS[layout][0]
-    mains = {s: root / p for s, p in STEP_MAIN.items() if (root / p).exists() or (root / p).is_symlink()}
-    if 1 not in mains:
-        raise DsfixError(f"no step-1 {STEP_MAIN[1]} in this DeepSpeed-Chat checkout", path=str(root))
-    for p in (utils_path, *mains.values()):
+    return _checkout_at(root, main_path, [_given(s, "--script") for s in scripts])
+
+
+def _given(p, option) -> Path:
+    path = Path(p)
+    if not path.is_file():
+        raise DsfixError(f"{option}: no such file", path=str(p))
+    return Path(os.path.abspath(path))
+
+
+def callers(folder: Path, depth: int = 4, limit: int = 2000) -> list:
+    """Python files under ``folder`` that call a save function without defining save_hf_format."""
+    found, seen = [], 0
+    base = len(folder.parts)
+    for d, dirs, files in os.walk(folder):
+        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
+        if len(Path(d).parts) - base >= depth:
+            dirs[:] = []
+        for f in sorted(files):
+            if not f.endswith(".py"):
+                continue
+            seen += 1
+            if seen > limit:
+                return found
+            try:
+                data = (Path(d) / f).read_bytes()
+            except OSError:
+                continue
+            if any(f"{n}(".encode() in data for n in SAVE_NAMES) and b"def save_hf_format" not in data:
+                found.append(Path(d) / f)
+    return found
+
+
+def _suggest(start: Path) -> str:
+    found = callers(start, depth=3)
+    if not found:
+        return ""
+    shown = ", ".join(os.path.relpath(p, start) for p in found[:5])
+    return f"; scripts that call save_hf_format here: {shown} (pass --main PATH)"
+
+
+def _checkout_at(root: Path, main_path: Path | None, scripts: list) -> Checkout:
+    if main_path is None:
+        main_path = root / STEP_MAIN[1]
+        if not (main_path.exists() or main_path.is_symlink()):
+            found = [p for p in callers(root) if "step2" not in str(p) and "step3" not in str(p)]
+            hint = ""
+            if found:
+                hint = "; scripts that call save_hf_format: " + ", ".join(
+                    Path(os.path.relpath(p, root)).as_posix() for p in found[:6]) + " (pass one with --main PATH)"
+            raise DsfixError(f"no step-1 {STEP_MAIN[1]} in this DeepSpeed-Chat checkout{hint}", path=str(root))
+    mains = {1: main_path}
+    mains.update({s: root / p for s, p in STEP_MAIN.items() if s > 1 and ((root / p).exists() or (root / p).is_symlink())})
+    for p in (*mains.values(), *scripts):
         check_inside(root, p)
-    return Checkout(root=root, layout=layout, utils_path=utils_path, step_mains=mains)
+    scripts = [s for s in dict.fromkeys(scripts) if s != main_path]
+    res = _resolve(root, main_path)
+    utils_path = res.utils
+    check_inside(root, utils_path)
+    modules = {_rel(root, main_path): res.modules}
+    notes = list(res.notes)
+    for s in scripts:
+        other = _resolve(root, s)
+        if other.utils != utils_path:
+            raise DsfixError(f"imports its save functions from {_rel(root, other.utils)}, but step-1 main.py "
+                             f"from {_rel(root, utils_path)}; patch them in separate runs", path=str(s))
+        modules[_rel(root, s)] = other.modules
+        notes += other.notes
+    for step, p in mains.items():
+        if step == 1:
+            continue
+        try:
+            other = _resolve(root, p)
+        except DsfixError:
+            continue  # only an error when that step is asked for; see Checkout.targets
+        if other.utils == utils_path:
+            modules[_rel(root, p)] = other.modules
+        else:
+            mains.pop(step)
+            notes.append(f"{_rel(root, p)} imports {_rel(root, other.utils)}, not {_rel(root, utils_path)}; "
+                         "it is left alone")
+    notes += _shadowed(root, utils_path)
+    notes += _left_alone(root, main_path, scripts)
+    rel_utils = _rel(root, utils_path)
+    layout = next((name for name, u in LAYOUTS.items() if u == rel_utils), "fork")
+    first = res.modules[0]
+    import_root = utils_path.parent
+    for _ in first.split(".")[1:]:
+        import_root = import_root.parent
+    return Checkout(root=root, layout=layout, utils_path=utils_path, step_mains=mains, scripts=tuple(scripts),
+                    modules=modules, utils_module=first, import_root=import_root, notes=tuple(notes))
+
+
+def _rel(root: Path, p: Path) -> str:
+    try:
+        return Path(os.path.abspath(p)).relative_to(root).as_posix()
+    except ValueError:
+        return str(p)
+
+
+def _resolve(root: Path, script: Path):
+    try:
+        data = script.read_bytes()
+    except OSError as e:
+        raise DsfixError(f"cannot read: {e.strerror or e}", path=str(script)) from None
+    res = resolve_script(script, data, root)
+    if res.utils is None:
+        raise DsfixError(res.describe_failure(), path=_rel(root, script))
+    if not res.utils.is_relative_to(root):
+        raise DsfixError(f"imports its save functions from {res.utils}, outside the checkout {root}; "
+                         "run dsfix on the folder that holds both", path=_rel(root, script))
+    return res
+
+
+def _shadowed(root: Path, utils_path: Path) -> list:
+    out = []
+    for name, rel in LAYOUTS.items():
+        other = root / rel
+        if other.is_file() and other.resolve() != utils_path.resolve():
+            out.append(f"step 1 imports {_rel(root, utils_path)}, which shadows {rel}: the copy step 1 really "
+                       f"imports is the one patched, and {rel} is left alone")
+    return out
+
+
+def _left_alone(root: Path, main_path: Path, scripts) -> list:
+    others = [p for p in callers(main_path.parent, depth=1) if p != main_path and p not in scripts]
+    return [f"{_rel(root, p)} also calls the save functions and is not patched (add --script {_rel(root, p)})"
+            for p in others]
 
 
 def check_inside(root: Path, path: Path) -> None:

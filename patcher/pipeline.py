@@ -11,7 +11,7 @@ from patcher import plan as planner
 from patcher import state as st
 from patcher import transforms
 from patcher.diff import stat, unified_diff
-from patcher.errors import ERROR, OK, PENDING, DsfixError
+from patcher.errors import OK, PENDING, DsfixError
 from patcher.locate import Checkout, find_checkout
 from patcher.template import load_template
 
@@ -49,15 +49,6 @@ class Outcome:
         }
 
 
-def _targets(co: Checkout, steps) -> dict:
-    roles = {co.rel(co.utils_path): "utils"}
-    for step in sorted(set(steps)):
-        if step not in co.step_mains:
-            raise DsfixError(f"this checkout has no step-{step} main.py", path=str(co.root))
-        roles[co.rel(co.step_mains[step])] = f"step{step}"
-    return roles
-
-
 def _read(co: Checkout, roles: dict) -> dict:
     return {rel: st.read_bytes(co.root / rel, rel) for rel in roles}
 
@@ -73,16 +64,16 @@ def _display_path(co: Checkout, rel: str) -> str:
 
 
 def compute_plan(co: Checkout, strategy: str = "clone", steps=(1,)):
-    roles = _targets(co, steps)
+    roles = co.targets(steps)
     files = _read(co, roles)
     tpl = load_template(strategy)
-    return planner.make_plan(files, roles, tpl, strategy, co.utils_module)
+    return planner.make_plan(files, roles, tpl, strategy, co.modules)
 
 
-def check(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
-    co = find_checkout(repo)
+def check(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) -> Outcome:
+    co = find_checkout(repo, main, scripts)
     plan = compute_plan(co, strategy, steps)
-    out = Outcome("check", co, warnings=list(plan.warnings))
+    out = Outcome("check", co, warnings=[*co.notes, *plan.warnings])
     diffs = []
     for c in plan.changes:
         added, removed = stat(c.old, c.new)
@@ -96,11 +87,11 @@ def check(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
     return out
 
 
-def apply(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
-    co = find_checkout(repo)
+def apply(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) -> Outcome:
+    co = find_checkout(repo, main, scripts)
     with st.lock(co.root):
         plan = compute_plan(co, strategy, steps)
-        out = Outcome("apply", co, warnings=list(plan.warnings))
+        out = Outcome("apply", co, warnings=[*co.notes, *plan.warnings])
         pending = plan.pending
         for c in plan.changes:
             added, removed = stat(c.old, c.new)
@@ -117,7 +108,8 @@ def apply(repo=".", strategy: str = "clone", steps=(1,)) -> Outcome:
             original = c.old
             if entry is not None:
                 original = _original_under_edits(state, c.rel, c.old, entry, co) or original
-            state.record(c.rel, c.role, original, c.new, template=plan.template_version, strategy=strategy)
+            state.record(c.rel, c.role, original, c.new, template=plan.template_version, strategy=strategy,
+                         modules=list(co.modules.get(c.rel, ())))
         existed = state.exists
         try:
             state.save(status="applying", template=plan.template_version, strategy=strategy)
@@ -147,17 +139,24 @@ def _original_under_edits(state, rel, current, entry, co) -> bytes | None:
     merged = planner.merge3(state.blob(rel, "patched"), current, state.blob(rel, "original"))
     if merged is not None:
         return merged
-    return planner.unpatch(current, rel, entry["role"], co.utils_module)
+    return planner.unpatch(current, rel, entry["role"], _modules(co, rel, entry))
 
 
 # ----------------------------------------------------------------------------- revert
 
 
-def _residue(data: bytes, rel: str, role: str, co: Checkout) -> bool:
+def _modules(co: Checkout, rel: str, entry=None) -> tuple:
+    """The dotted names under which a script imports utils.py: as recorded at apply, else as resolved now."""
+    if entry is not None and entry.get("modules"):
+        return tuple(entry["modules"])
+    return tuple(co.modules.get(rel, ()))
+
+
+def _residue(data: bytes, rel: str, role: str, co: Checkout, entry=None) -> bool:
     module = planner.parse(data, rel)
     if role == "utils":
         return transforms.find_marker(module) is not None
-    return transforms.main_is_patched(module, planner.utils_modules(co.utils_module))
+    return transforms.main_is_patched(module, _modules(co, rel, entry))
 
 
 def _revert_with_state(co, state, rel, entry) -> planner.RevertOutcome:
@@ -172,14 +171,15 @@ def _revert_with_state(co, state, rel, entry) -> planner.RevertOutcome:
     if st.sha256(cur) == entry["original_sha256"]:
         return planner.RevertOutcome(rel, None, "unchanged")
     merged = planner.merge3(patched, cur, original)
-    if merged is not None and not _residue(merged, rel, role, co):
+    if merged is not None and not _residue(merged, rel, role, co, entry):
         return planner.RevertOutcome(rel, merged, "merged", notes=["kept your edits made after apply"])
-    structural_ok = planner.unpatch(patched, rel, role, co.utils_module) == original
+    modules = _modules(co, rel, entry)
+    structural_ok = planner.unpatch(patched, rel, role, modules) == original
     if role == "utils":
         structural_ok = structural_ok and planner.dsfix_block(cur) == planner.dsfix_block(patched)
     if structural_ok:
         try:
-            new = planner.unpatch(cur, rel, role, co.utils_module)
+            new = planner.unpatch(cur, rel, role, modules)
         except DsfixError:
             new = None
         if new is not None:
@@ -199,8 +199,8 @@ def _revert_without_state(co, rel, role, force) -> planner.RevertOutcome:
         info = transforms.find_marker(module)
         tpl = load_template(info.get("strategy", "clone") if info.get("strategy") in ("clone", "dedupe") else "clone")
         if f"v{tpl.version}" == info.get("template") and not force:
-            base = planner.unpatch(cur, rel, role, co.utils_module)
-            redo = transforms.patch_utils(planner.parse(base, rel), tpl, info.get("strategy", "clone")).module
+            base = planner.unpatch(cur, rel, role, ())
+            redo = transforms.patch_utils(planner.parse(base, rel), tpl, info.get("strategy", "clone"), rel, base).module
             if planner.dsfix_block(redo.bytes) != planner.dsfix_block(cur):
                 return planner.RevertOutcome(
                     rel, None, "refused", "dsfix's inserted code was edited, and there is no state folder to compare with (use --force to remove it anyway)"
@@ -209,22 +209,21 @@ def _revert_without_state(co, rel, role, force) -> planner.RevertOutcome:
             new = planner.render(transforms.unpatch_utils(module, keep_replaced=True).module, rel)
             return planner.RevertOutcome(rel, new, "structural", notes=["the hand-written function dsfix replaced could not be restored"])
     try:
-        new = planner.unpatch(cur, rel, role, co.utils_module)
+        new = planner.unpatch(cur, rel, role, _modules(co, rel))
     except DsfixError as e:
         return planner.RevertOutcome(rel, None, "refused", e.message)
     return planner.RevertOutcome(rel, new, "structural", notes=["no state folder: undone structurally"])
 
 
-def revert(repo=".", force: bool = False, steps=(1, 2, 3)) -> Outcome:
-    co = find_checkout(repo)
+def revert(repo=".", force: bool = False, steps=(1, 2, 3), main=None, scripts=()) -> Outcome:
+    co = find_checkout(repo, main, scripts)
     out = Outcome("revert", co)
     with st.lock(co.root):
         state = st.State.load(co.root)
         if state.exists:
             results = [_revert_with_state(co, state, rel, e) for rel, e in sorted(state.files.items())]
         else:
-            roles = {co.rel(co.utils_path): "utils"}
-            roles.update({co.rel(p): f"step{s}" for s, p in co.step_mains.items() if s in steps})
+            roles = co.targets([s for s in co.step_mains if s in steps])
             results = [_revert_without_state(co, rel, role, force) for rel, role in roles.items()]
         refused = [r for r in results if r.how == "refused"]
         if refused and force and state.exists:
@@ -260,4 +259,4 @@ def revert(repo=".", force: bool = False, steps=(1, 2, 3)) -> Outcome:
         return out
 
 
-__all__ = ["check", "apply", "revert", "Outcome", "ERROR"]
+__all__ = ["check", "apply", "revert", "Outcome"]

@@ -79,41 +79,44 @@ def reparse(change: FileChange) -> None:
                          line=e.raw_line) from None
 
 
-def utils_modules(layout_module: str) -> tuple:
-    return tuple(dict.fromkeys((layout_module, *transforms.UTILS_MODULES)))
-
-
 def _outcome(res, old: bytes, rel: str, role: str) -> FileChange:
     new = render(res.module, rel) if res.original is not None else old
     return FileChange(rel, role, old, new, tuple(res.notes) if new != old else ())
 
 
-def plan_utils(old: bytes, rel: str, tpl: Template, strategy: str) -> FileChange:
-    return _outcome(transforms.patch_utils(parse(old, rel), tpl, strategy), old, rel, "utils")
+def plan_utils(old: bytes, rel: str, tpl: Template, strategy: str) -> tuple:
+    """(FileChange, defs): utils.py patched, and the checkout's save functions as read from it."""
+    res = transforms.patch_utils(parse(old, rel), tpl, strategy, rel, old)
+    return _outcome(res, old, rel, "utils"), res.defs
 
 
-def plan_main(old: bytes, rel: str, step: int, modules: tuple) -> FileChange:
+def plan_main(old: bytes, rel: str, role: str, modules: tuple, defs: dict) -> tuple:
+    """(FileChange, warnings) for one script."""
     try:
-        res = transforms.patch_main(parse(old, rel), modules)
+        res = transforms.patch_main(parse(old, rel), modules, defs)
     except DsfixError as e:
-        raise DsfixError(e.message, e.code, path=rel) from None
-    return _outcome(res, old, rel, f"step{step}")
+        raise DsfixError(e.message, e.code, path=rel, line=e.line) from None
+    return _outcome(res, old, rel, role), [f"{rel}:{w}" for w in res.warnings]
 
 
-def make_plan(files: dict, roles: dict, tpl: Template, strategy: str, layout_module: str) -> Plan:
-    """``files``: rel -> bytes; ``roles``: rel -> "utils" | "step1" | "step2" | "step3"."""
+def make_plan(files: dict, roles: dict, tpl: Template, strategy: str, modules: dict) -> Plan:
+    """``files``: rel -> bytes; ``roles``: rel -> "utils" | "step1" | "step2" | "step3";
+    ``modules``: rel of each script -> the dotted names under which it imports utils.py."""
     changes, warnings = [], []
-    modules = utils_modules(layout_module)
+    utils_rel = next(rel for rel, role in roles.items() if role == "utils")
+    try:
+        change, defs = plan_utils(files[utils_rel], utils_rel, tpl, strategy)
+    except DsfixError as e:
+        if e.path is None:
+            e.path = utils_rel
+        raise
+    changes.append(change)
     for rel, role in roles.items():
-        try:
-            if role == "utils":
-                changes.append(plan_utils(files[rel], rel, tpl, strategy))
-            else:
-                changes.append(plan_main(files[rel], rel, int(role[-1]), modules))
-        except DsfixError as e:
-            if e.path is None:
-                e.path = rel
-            raise
+        if role == "utils":
+            continue
+        change, found = plan_main(files[rel], rel, role, modules[rel], defs)
+        changes.append(change)
+        warnings += found
         if role == "step2":
             warnings.append(STEP2_WARNING)
     return Plan(tuple(changes), strategy, tpl.version, tuple(warnings))
@@ -122,14 +125,14 @@ def make_plan(files: dict, roles: dict, tpl: Template, strategy: str, layout_mod
 # ----------------------------------------------------------------------------- revert
 
 
-def unpatch(data: bytes, rel: str, role: str, layout_module: str) -> bytes:
+def unpatch(data: bytes, rel: str, role: str, modules: tuple) -> bytes:
     """Undo dsfix's change structurally; the user's other edits stay."""
     module = parse(data, rel)
     try:
         if role == "utils":
             res = transforms.unpatch_utils(module)
         else:
-            res = transforms.unpatch_main(module, utils_modules(layout_module))
+            res = transforms.unpatch_main(module, modules)
     except DsfixError as e:
         raise DsfixError(e.message, e.code, path=rel) from None
     return render(res.module, rel) if res.original is not None else data
@@ -146,10 +149,6 @@ def dsfix_block(data: bytes) -> str:
     return "".join(parts)
 
 
-def _lines(data: bytes) -> list:
-    return split_lines(data)
-
-
 def _hunks(a: list, b: list) -> list:
     sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
     return [(i1, i2, b[j1:j2]) for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag != "equal"]
@@ -157,8 +156,8 @@ def _hunks(a: list, b: list) -> list:
 
 def merge3(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
     """Apply both ``base -> ours`` and ``base -> theirs``; None when their hunks touch (a conflict)."""
-    b = _lines(base)
-    h1, h2 = _hunks(b, _lines(ours)), _hunks(b, _lines(theirs))
+    b = split_lines(base)
+    h1, h2 = _hunks(b, split_lines(ours)), _hunks(b, split_lines(theirs))
     for a1, a2, _ in h1:
         for c1, c2, _ in h2:
             if a1 <= c2 and c1 <= a2:

@@ -50,6 +50,7 @@ class Template:
     body: str  # the top-level definitions, as source text with "\n" newlines and 4-space indents
     path: Path
     statements: tuple = ()  # the same definitions as parsed libcst nodes (4-space indents, "\n")
+    public_text: dict = None  # public function name -> its source, as patcher.signature.generate writes it
 
 
 def template_path() -> Path:
@@ -104,7 +105,10 @@ def load_template(strategy: str = "clone") -> Template:
     if version is None:
         raise DsfixError("template has no _DSFIX_TEMPLATE_VERSION", path=str(path))
     text = module.with_changes(body=body, header=[], footer=[]).code
-    return Template(version=version, imports=tuple(imports), body=text, path=path, statements=tuple(body))
+    public = {_defined_name(s): cst.Module([]).code_for_node(s.with_changes(leading_lines=[]))
+              for s in body if _defined_name(s) in PUBLIC_NAMES}
+    return Template(version=version, imports=tuple(imports), body=text, path=path, statements=tuple(body),
+                    public_text=public)
 
 
 def _defined_name(stmt: cst.CSTNode) -> str | None:

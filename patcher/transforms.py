@@ -13,15 +13,12 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, ScopeProvider
 
+from patcher import signature
 from patcher.errors import DsfixError
+from patcher.signature import RENAMES
 from patcher.template import ImportSpec, Template, _defined_name, dotted, is_dsfix_name
 
-# old name in DeepSpeed-Chat -> the name dsfix's template defines
-RENAMES = {
-    "save_hf_format": "save_hf_format_safetensors",
-    "save_zero_three_model": "save_zero_three_model_safetensors",
-}
-UTILS_MODULES = ("dschat.utils.utils", "utils.utils")
+NEW_NAMES = {new: old for old, new in RENAMES.items()}
 MARKER_PREFIX = "# dsfix:"
 MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
 
@@ -34,6 +31,8 @@ class Result:
     module: cst.Module
     notes: list = field(default_factory=list)
     original: cst.Module | None = None  # None: nothing was done
+    defs: dict = field(default_factory=dict)  # utils.py: old save name -> signature.SaveDef
+    warnings: list = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -223,14 +222,29 @@ def _remove_import(body: list, spec: ImportSpec) -> list:
     return body
 
 
-def _block_statements(module: cst.Module, tpl: Template, marker: str) -> list:
+def public_functions(tpl: Template, defs: dict) -> list:
+    """The template's statements, its two public functions made to take the checkout's own parameters."""
+    out = []
+    for stmt in tpl.statements:
+        name = _defined_name(stmt)
+        old = NEW_NAMES.get(name)
+        if old is not None and isinstance(stmt, cst.FunctionDef):
+            doc = signature.code(stmt.body.body[0]).strip()
+            text = signature.generate(defs[old], doc)
+            if text != tpl.public_text.get(name):
+                stmt = cst.parse_statement(text).with_changes(leading_lines=stmt.leading_lines)
+        out.append(stmt)
+    return out
+
+
+def _block_statements(module: cst.Module, tpl: Template, marker: str, defs: dict) -> list:
     """The template's statements, in the target file's own indentation and newline style."""
     lead = [cst.EmptyLine(), cst.EmptyLine(), cst.EmptyLine(comment=cst.Comment(marker))]
-    if module.default_indent == "    " and module.default_newline == "\n" and tpl.statements:
-        stmts = list(tpl.statements)  # the nodes render in the target's style as they are: no re-parse
-        stmts[0] = stmts[0].with_changes(leading_lines=lead)
+    stmts = public_functions(tpl, defs)
+    if module.default_indent == "    " and module.default_newline == "\n" and stmts:
+        stmts[0] = stmts[0].with_changes(leading_lines=lead)  # the nodes render in the target's style: no re-parse
         return stmts
-    text = tpl.body
+    text = cst.Module(body=stmts).code if any(a is not b for a, b in zip(stmts, tpl.statements)) else tpl.body
     indent = module.default_indent
     if indent != "    ":
         lines = []
@@ -246,7 +260,7 @@ def _block_statements(module: cst.Module, tpl: Template, marker: str) -> list:
     return stmts
 
 
-def patch_utils(module: cst.Module, tpl: Template, strategy: str) -> Result:
+def patch_utils(module: cst.Module, tpl: Template, strategy: str, rel: str = "", data: bytes = b"") -> Result:
     """Insert (or upgrade) dsfix's block right after save_hf_format, plus the imports it needs.
 
     A hand-written function of the same name (the widely copied fix) is replaced in place, and the
@@ -257,7 +271,11 @@ def patch_utils(module: cst.Module, tpl: Template, strategy: str) -> Result:
     base = unpatch_utils(module, keep_replaced=True).module if info else module
     if not any(isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format" for s in base.body):
         raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
+    defs = signature.find_defs(base, rel, data)
+    for d in defs.values():
+        notes += list(d.notes)
     replaced, kept, slot = [], [], None
+    after = _block_predecessor(module) if info else None
     for stmt in base.body:
         name = _defined_name(stmt)
         if name is not None and is_dsfix_name(name):
@@ -265,6 +283,8 @@ def patch_utils(module: cst.Module, tpl: Template, strategy: str) -> Result:
             slot = len(kept) if slot is None else slot
         else:
             kept.append(stmt)
+            if stmt is after:  # dsfix's block stays where it stands (say, at the end where a hand edit was)
+                slot = len(kept)
     if slot is None:
         slot = next(i for i, s in enumerate(kept) if isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format") + 1
     placeholder = cst.SimpleStatementLine([cst.Pass()])
@@ -284,12 +304,23 @@ def patch_utils(module: cst.Module, tpl: Template, strategy: str) -> Result:
         added = before + [a for a in added if a not in before]
     body = list(new.body)
     at = next(i for i, s in enumerate(body) if s is placeholder)
-    body[at : at + 1] = _block_statements(new, tpl, make_marker(tpl.version, strategy, added, replaced))
+    body[at : at + 1] = _block_statements(new, tpl, make_marker(tpl.version, strategy, added, replaced), defs)
     new = new.with_changes(body=body)
-    if info:
+    if info and (info.get("template") != f"v{tpl.version}" or info.get("strategy") != strategy):
         notes.insert(0, f"upgraded dsfix's block from template {info.get('template')} strategy "
                         f"{info.get('strategy')} to v{tpl.version} strategy {strategy}")
-    return Result(new, notes, original=module)
+    return Result(new, notes, original=module, defs=defs)
+
+
+def _block_predecessor(module: cst.Module):
+    """The statement right before dsfix's block (unpatch_utils keeps it as the same node)."""
+    prev = None
+    for stmt in module.body:
+        name = _defined_name(stmt)
+        if name is not None and is_dsfix_name(name):
+            return prev
+        prev = stmt
+    return None
 
 
 def _drop_orphaned_imports(before: cst.Module, after: cst.Module) -> tuple:
@@ -372,23 +403,28 @@ def _realign(original: cst.Call, call: cst.Call, position, delta: int) -> cst.Ca
 class _Renamer(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (QualifiedNameProvider, ScopeProvider, PositionProvider)
 
-    def __init__(self, mapping: dict, modules: tuple):
+    def __init__(self, mapping: dict, modules: tuple, observe: dict = None):
         super().__init__()
         self.mapping = mapping
-        self.modules = modules
         self.qualified = {f"{m}.{old}": old for m in modules for old in mapping}
+        self.observed = {f"{m}.{name}": name for m in modules for name in (observe or {})}
         self.renamed_calls = []  # (old, how) for notes
+        self.calls = []  # (name called, call node, line): every call renamed, and every call of an observed name
 
-    def _match(self, node) -> str | None:
+    def _match(self, node, table) -> str | None:
         for q in self.get_metadata(QualifiedNameProvider, node, set()):
-            if q.name in self.qualified:
-                return self.qualified[q.name]
+            if q.name in table:
+                return table[q.name]
         return None
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        old = self._match(original.func)
+        old = self._match(original.func, self.qualified)
         if old is None:
+            seen = self._match(original.func, self.observed) if self.observed else None
+            if seen is not None:
+                self.calls.append((seen, original, self.get_metadata(PositionProvider, original).start.line))
             return updated
+        self.calls.append((old, original, self.get_metadata(PositionProvider, original).start.line))
         func = updated.func
         if isinstance(func, cst.Name):
             if func.value != old:  # called through an alias: the import is renamed instead
@@ -493,12 +529,14 @@ def _count_uses(scopes, names) -> dict:
     return counts
 
 
-def rename_calls(module: cst.Module, mapping: dict, modules=UTILS_MODULES) -> Result:
+def rename_calls(module: cst.Module, mapping: dict, modules: tuple, observe: dict = None) -> tuple:
+    """(Result, calls): the module with the calls renamed and its imports edited, and every call renamed or
+    of an ``observe``d name as (name, call node, line)."""
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    renamer = _Renamer(mapping, modules)
+    renamer = _Renamer(mapping, modules, observe)
     renamed = wrapper.visit(renamer)
     if not renamer.renamed_calls:
-        return Result(module, [])
+        return Result(module, []), renamer.calls
     # name reads after the rewrite, from the scope analysis the rewrite already ran: each bare call renamed
     # moves one read from the old name to the new one
     uses = _count_uses(wrapper.resolve(ScopeProvider), list(mapping) + list(mapping.values()))
@@ -512,7 +550,7 @@ def rename_calls(module: cst.Module, mapping: dict, modules=UTILS_MODULES) -> Re
     editor = _ImportEditor(mapping, modules, touched, still_used, needed, _imported_from(renamed, modules))
     new = renamed.visit(editor)
     notes = [_call_note(old, how, mapping[old]) for old, how in renamer.renamed_calls]
-    return Result(new, _dedupe(notes) + editor.notes, original=module)
+    return Result(new, _dedupe(notes) + editor.notes, original=module), renamer.calls
 
 
 def _call_note(old: str, how: str, new: str) -> str:
@@ -532,19 +570,75 @@ def _dedupe(items):
     return out
 
 
-def patch_main(module: cst.Module, modules=UTILS_MODULES) -> Result:
-    res = rename_calls(module, RENAMES, modules)
-    if res.original is None and not main_is_patched(module, modules):
-        raise DsfixError("has no call of save_hf_format imported from the DeepSpeed-Chat utils to rewrite")
+def patch_main(module: cst.Module, modules: tuple, defs: dict) -> Result:
+    """Rename the save calls, after checking that each one binds to dsfix's function as it bound to the
+    checkout's own (``defs``: old name -> signature.SaveDef, from patch_utils)."""
+    res, calls = rename_calls(module, RENAMES, modules, observe=NEW_NAMES)
+    if not calls:
+        raise DsfixError("has no call of save_hf_format imported from the checkout's utils.py to rewrite")
+    for name, call, line in calls:
+        old = NEW_NAMES.get(name, name)
+        check_binding(defs[old], call, line)
+    res.warnings = unconfigured_saves(module, calls)
     return res
 
 
-def unpatch_main(module: cst.Module, modules=UTILS_MODULES) -> Result:
-    return rename_calls(module, {new: old for old, new in RENAMES.items()}, modules)
+def unconfigured_saves(module: cst.Module, calls: list) -> list:
+    """Warnings for ZeRO-3 save calls with no save_hf_format call in the same function or loop body: that
+    output gets weights but no config.json or tokenizer."""
+    z3 = {id(c): line for name, c, line in calls if NEW_NAMES.get(name, name) == "save_zero_three_model"}
+    hf = {id(c) for name, c, _ in calls if NEW_NAMES.get(name, name) == "save_hf_format"}
+    if not z3:
+        return []
+    inner, with_hf = {}, set()
+
+    class V(cst.CSTVisitor):
+        def __init__(self):
+            self.stack = [module]
+
+        def _push(self, node):
+            self.stack.append(node)
+
+        def _pop(self, node):
+            self.stack.pop()
+
+        visit_FunctionDef = visit_For = visit_While = _push
+        leave_FunctionDef = leave_For = leave_While = _pop
+
+        def visit_Call(self, node):
+            if id(node) in z3:
+                inner[id(node)] = id(self.stack[-1])
+            if id(node) in hf:
+                with_hf.update(id(r) for r in self.stack)
+
+    module.visit(V())
+    return [f"{line}: this save_zero_three_model call has no save_hf_format call beside it (same function or loop), "
+            "so that output gets no config.json or tokenizer" for key, line in sorted(z3.items(), key=lambda kv: kv[1])
+            if inner.get(key) not in with_hf]
 
 
-def main_is_patched(module: cst.Module, modules=UTILS_MODULES) -> bool:
-    wrapper = MetadataWrapper(module)
-    renamer = _Renamer({new: old for old, new in RENAMES.items()}, modules)
-    wrapper.visit(renamer)
-    return bool(renamer.renamed_calls)
+def check_binding(sd, call: cst.Call, line: int) -> None:
+    """The call must bind to dsfix's function, each argument to the parameter of the same name (and so the
+    same meaning) that it reaches in the checkout's own function."""
+    new = RENAMES[sd.name]
+    ours = signature.params_of(sd.header(new) + "\n    pass\n")
+    shown = signature.code(call.func)
+    try:
+        before = signature.bind(sd.params, call)
+    except ValueError as e:
+        raise DsfixError(f"{shown}(...) does not bind to the checkout's own {sd.name}: it {e}; it would raise "
+                         "TypeError already, and dsfix will not rewrite it", line=line) from None
+    try:
+        after = signature.bind(ours, call)
+    except ValueError as e:  # pragma: no cover - the parameters are copied, so this is a dsfix bug
+        raise DsfixError(f"{shown}(...) would not bind to {new}: it {e}", line=line) from None
+    if before != after:  # pragma: no cover - likewise
+        raise DsfixError(f"{shown}(...) would pass its arguments to other parameters of {new}", line=line)
+
+
+def unpatch_main(module: cst.Module, modules: tuple) -> Result:
+    return rename_calls(module, NEW_NAMES, modules)[0]
+
+
+def main_is_patched(module: cst.Module, modules: tuple) -> bool:
+    return bool(rename_calls(module, {}, modules, observe=NEW_NAMES)[1])

@@ -25,7 +25,7 @@ import sys
 import torch
 from safetensors import safe_open
 
-_DSFIX_TEMPLATE_VERSION = 1
+_DSFIX_TEMPLATE_VERSION = 2
 _DSFIX_STRATEGY = "clone"
 _DSFIX_MAX_SHARD_SIZE = 5 * 1024**3
 
@@ -586,46 +586,64 @@ def _dsfix_save_tokenizer(tokenizer, out_dir):
     tokenizer.save_vocabulary(out_dir)
 
 
-def save_hf_format_safetensors(model, tokenizer, args, sub_folder="", max_shard_size=None, strategy=None):
-    """Like ``save_hf_format``, but writes safetensors (call it on rank 0 only).
+def save_hf_format_safetensors(model, tokenizer, args, sub_folder="", *, max_shard_size=None, strategy=None):
+    """Like save_hf_format, with its parameters, but writes config.json, the tokenizer and model.safetensors."""
+    output_dir = os.path.join(args.output_dir, sub_folder)
+    _dsfix_save_hf_format(model, tokenizer, output_dir, max_shard_size=max_shard_size, strategy=strategy)
 
-    Writes config.json, the tokenizer and ``model.safetensors`` (or shards and
-    an index above ``max_shard_size``). Under ZeRO-3 it writes no weights:
-    gathering is a collective, so ``save_zero_three_model_safetensors``,
-    called on every rank, writes them.
+
+def save_zero_three_model_safetensors(model_ema, global_rank, save_dir, zero_stage=0, *, max_shard_size=None, strategy=None):
+    """Like save_zero_three_model, with its parameters, but writes model.safetensors; call it on every rank."""
+    _dsfix_save_zero_three_model(model_ema, save_dir, global_rank=global_rank, zero_stage=zero_stage, max_shard_size=max_shard_size, strategy=strategy)
+
+
+def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_shard_size=None, strategy=None):
+    """Writes config.json, the tokenizer and the weights (shards and an index above ``max_shard_size``).
+
+    ``global_rank`` None: called on rank 0 only, like upstream's save_hf_format; under ZeRO-3 it then
+    writes no weights, since gathering is a collective: save_zero_three_model_safetensors, called on
+    every rank, writes them. With a rank (a fork whose save_hf_format runs on every rank): every rank
+    gathers under ZeRO-3 and rank 0 writes.
     """
     if sys.byteorder != "little":
         raise RuntimeError("dsfix: safetensors files are little-endian; this machine is not")
     module = _dsfix_unwrap(model)
     strategy = _dsfix_resolve_strategy(strategy)
     limit = _dsfix_parse_size(max_shard_size)
-    output_dir = os.path.join(args.output_dir, sub_folder)
-    os.makedirs(output_dir, exist_ok=True)
-    _dsfix_save_config(module, output_dir)
-    _dsfix_save_tokenizer(tokenizer, output_dir)
-    if _dsfix_is_partitioned(module):
+    is_writer = global_rank is None or global_rank == 0
+    partitioned = _dsfix_is_partitioned(module)
+    if is_writer:
+        os.makedirs(output_dir, exist_ok=True)
+        _dsfix_save_config(module, output_dir)
+        _dsfix_save_tokenizer(tokenizer, output_dir)
+    if partitioned and global_rank is None:
         _dsfix_print("ZeRO-3 parameters are partitioned: wrote config and tokenizer to %s; the weights are "
                      "written by save_zero_three_model_safetensors" % (os.path.normpath(output_dir),))
         return
-    _dsfix_save_weights(module, output_dir, limit, strategy, gather=False, is_writer=True)
+    if partitioned or is_writer:
+        _dsfix_save_weights(module, output_dir, limit, strategy, gather=partitioned, is_writer=is_writer)
 
 
-def save_zero_three_model_safetensors(model_ema, global_rank, save_dir, zero_stage=0, max_shard_size=None,
-                                      strategy=None):
-    """Like ``save_zero_three_model``, but writes safetensors; call it on every rank.
+def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3, tokenizer=None,
+                                 max_shard_size=None, strategy=None):
+    """Writes the weights; every rank calls it.
 
-    Under ZeRO-3 every rank gathers the parameters one at a time in the same
-    order and rank 0 streams each into the file, so host memory holds about
-    one tensor, not the model. Otherwise rank 0 writes the weights.
+    Under ZeRO-3 every rank gathers the parameters one at a time in the same order and rank 0 streams
+    each into the file, so host memory holds about one tensor, not the model. Otherwise rank 0 writes.
+    ``global_rank`` None: taken from torch.distributed.
     """
     if sys.byteorder != "little":
         raise RuntimeError("dsfix: safetensors files are little-endian; this machine is not")
-    module = _dsfix_unwrap(model_ema)
+    module = _dsfix_unwrap(model)
     strategy = _dsfix_resolve_strategy(strategy)
     limit = _dsfix_parse_size(max_shard_size)
+    if global_rank is None:
+        initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+        global_rank = torch.distributed.get_rank() if initialized else 0
     is_writer = global_rank == 0
     if is_writer:
         os.makedirs(save_dir, exist_ok=True)
+        _dsfix_save_tokenizer(tokenizer, save_dir)
     if zero_stage != 3:
         if is_writer:
             _dsfix_save_weights(module, save_dir, limit, strategy, gather=False, is_writer=True)

@@ -61,7 +61,14 @@ def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):
 
 '''
 
-MAIN_PY = "# stub of step-1 main.py for dsfix tests\nfrom dschat.utils.utils import save_hf_format\n"
+MAIN_PY = {
+    "package": "# stub of step-1 main.py for dsfix tests\nfrom dschat.utils.utils import save_hf_format\n",
+    "legacy": (
+        "# stub of step-1 main.py for dsfix tests\nimport os\nimport sys\n\n"
+        "sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))\n"
+        "from utils.utils import save_hf_format\n"
+    ),
+}
 
 
 def utils_source(body: str = "", extra_imports: str = "") -> str:
@@ -86,7 +93,7 @@ def make_checkout(root: Path, body: str = "", layout: str = "package", extra_imp
     utils.write_text(utils_source(body, extra_imports), encoding="utf-8")
     main = root / "training/step1_supervised_finetuning/main.py"
     main.parent.mkdir(parents=True, exist_ok=True)
-    main.write_text(MAIN_PY, encoding="utf-8")
+    main.write_text(MAIN_PY[layout], encoding="utf-8")
     return root
 
 

@@ -93,7 +93,7 @@ def test_unknown_layout(tmp_path):
     (tmp_path / "training/step1_supervised_finetuning").mkdir(parents=True)
     (tmp_path / MAIN).write_text("print('hi')\n")
     line = _one_line_error(run("check", tmp_path), 2)
-    assert "unknown DeepSpeed-Chat layout" in line
+    assert "main.py: imports neither save_hf_format nor a module that defines it" in line
 
 
 def test_target_that_does_not_parse_names_file_and_line(tmp_path):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from patchkit import FIXTURES, pyflakes_messages
 from patcher import plan as planner
-from patcher import transforms
+from patcher import signature, transforms
 from patcher.errors import DsfixError
 from patcher.template import load_template
 
@@ -85,12 +85,15 @@ def main_sources(draw):
     return text.encode()
 
 
+UPSTREAM_DEFS = {name: signature.default_def(name) for name in signature.RENAMES}
+
+
 def _roundtrip_main(src: bytes):
     mod = cst.parse_module(src)
-    res = transforms.patch_main(mod, (MOD, "utils.utils"))
+    res = transforms.patch_main(mod, (MOD, "utils.utils"), UPSTREAM_DEFS)
     new = res.module.bytes
     compile(new, "main.py", "exec")
-    again = transforms.patch_main(cst.parse_module(new), (MOD, "utils.utils"))
+    again = transforms.patch_main(cst.parse_module(new), (MOD, "utils.utils"), UPSTREAM_DEFS)
     assert not again.changed, "a second patch changes nothing"
     assert b"save_hf_format_safetensors" in new
     assert pyflakes_messages(new) <= pyflakes_messages(src), (pyflakes_messages(new) - pyflakes_messages(src))
@@ -175,17 +178,18 @@ def corrupted(draw):
 def test_corrupted_inputs_are_patched_validly_or_refused_cleanly(case):
     role, data = case
     tpl = load_template("clone")
-    files = {"f.py": data}
-    roles = {"f.py": "utils" if role == "utils" else "step1"}
+    roles = {"f.py": "utils"} if role == "utils" else {"utils.py": "utils", "f.py": "step1"}
+    files = {"f.py": data, "utils.py": UTILS_BASE}
+    modules = {"f.py": (MOD,)}
     try:
-        plan = planner.make_plan(files, roles, tpl, "clone", MOD)
+        plan = planner.make_plan(files, roles, tpl, "clone", modules)
     except DsfixError as e:
         assert e.path == "f.py" and e.code == 2 and str(e)
         return
-    change = plan.changes[0]
+    change = next(c for c in plan.changes if c.rel == "f.py")
     if not change.changed:
         return
     compile(change.new, "f.py", "exec")
-    again = planner.make_plan({"f.py": change.new}, roles, tpl, "clone", MOD)
-    assert not again.changes[0].changed
-    assert planner.unpatch(change.new, "f.py", roles["f.py"], MOD) == data
+    again = planner.make_plan({**files, "f.py": change.new}, roles, tpl, "clone", modules)
+    assert not next(c for c in again.changes if c.rel == "f.py").changed
+    assert planner.unpatch(change.new, "f.py", roles["f.py"], (MOD,)) == data

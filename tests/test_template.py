@@ -84,7 +84,7 @@ def test_template_follows_the_structural_rules():
         else:
             raise AssertionError("top-level %s not allowed at line %d" % (type(node).__name__, node.lineno))
     assert sorted(public) == ["save_hf_format_safetensors", "save_zero_three_model_safetensors"]
-    assert T._DSFIX_TEMPLATE_VERSION == 1
+    assert T._DSFIX_TEMPLATE_VERSION == 2
     assert T._DSFIX_STRATEGY == "clone"
     assert "_DSFIX_STRATEGY" in constants and isinstance(constants["_DSFIX_STRATEGY"], ast.Constant)
     assert T._DSFIX_MAX_SHARD_SIZE >= 2 * 1024**3
