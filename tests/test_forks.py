@@ -1,0 +1,216 @@
+"""Fork shapes (fixtures/checkouts/fork-*, fixtures/refused/*): the whole cycle, the calls run for real, refusals.
+
+Each fork fixture carries a FIXTURE.json: where to run dsfix from (``path``), the options it needs
+(``args``), the notes check must print, and for refused ones the one-line message.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import shutil
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from patchkit import FIXTURES, REPO, cli, git_apply, pyflakes_messages, snapshot
+
+FORKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "FIXTURE.json").is_file())
+REFUSED_DIR = REPO / "fixtures" / "refused"
+REFUSED = sorted(p.name for p in REFUSED_DIR.iterdir() if p.is_dir())
+SAVE_NAMES = ("save_hf_format", "save_zero_three_model", "save_hf_format_safetensors",
+              "save_zero_three_model_safetensors")
+
+
+def _meta(src: Path) -> dict:
+    return json.loads((src / "FIXTURE.json").read_text())
+
+
+def _copy(src: Path, dest: Path) -> tuple:
+    shutil.copytree(src, dest)
+    meta = _meta(src)
+    return dest, dest / meta["path"], meta
+
+
+def _without_state(snap: dict) -> dict:
+    return {k: v for k, v in snap.items() if not k.startswith(".dsfix") and "/.dsfix/" not in k}
+
+
+def test_every_fork_fixture_is_listed():
+    assert len(FORKS) >= 7 and len(REFUSED) >= 3
+
+
+@pytest.mark.parametrize("name", FORKS)
+def test_fork_full_cycle(tmp_path, name):
+    top, cwd, meta = _copy(FIXTURES / name, tmp_path / "a")
+    _, twin_cwd, _ = _copy(FIXTURES / name, tmp_path / "b")
+    args = meta["args"]
+    before = snapshot(top)
+
+    code, diff, err = cli("check", ".", *args, cwd=cwd)
+    assert code == 1, err
+    for note in meta["notes"]:
+        assert note in err, (note, err)
+    assert snapshot(top) == before, "check writes nothing"
+    git_apply(diff, twin_cwd)
+
+    code, _, err = cli("apply", ".", *args, cwd=cwd)
+    assert code == 0, err
+    after = snapshot(top)
+    assert _without_state(after) == snapshot(tmp_path / "b"), "git apply of check's diff == apply"
+    if "patched" in meta:
+        assert after[meta["patched"]] != before[meta["patched"]]
+    for rel in before:
+        if rel.endswith(".py") and before[rel] != after[rel]:
+            assert pyflakes_messages(after[rel]) <= pyflakes_messages(before[rel]), rel
+
+    assert cli("check", ".", *args, cwd=cwd)[0] == 0, "check exits 0 once applied"
+    assert cli("apply", ".", *args, cwd=cwd)[0] == 0
+    assert snapshot(top) == after, "a second apply changes nothing"
+    code, _, err = cli("revert", ".", *args, cwd=cwd)
+    assert code == 0, err
+    assert snapshot(top) == before, "revert restores every byte"
+
+    # without the state folder: a structural revert, exact when nothing was edited
+    assert cli("apply", ".", *args, cwd=cwd)[0] == 0
+    shutil.rmtree(top / meta["path"] / ".dsfix")
+    code, _, err = cli("revert", ".", *args, cwd=cwd)
+    if "replaced a hand-written save_hf_format_safetensors" in " ".join(meta["notes"]):
+        assert code == 1 and "cannot be restored structurally" in err  # its text lived only in the state folder
+    else:
+        assert code == 0, err
+        assert snapshot(top) == before
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refused_fork_names_file_line_and_reason(tmp_path, name):
+    top, cwd, meta = _copy(REFUSED_DIR / name, tmp_path / "a")
+    before = snapshot(top)
+    for verb in ("check", "apply"):
+        code, out, err = cli(verb, ".", *meta["args"], cwd=cwd)
+        assert code == 2, err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("dsfix: error: "), err
+        assert meta["message"] in lines[0], lines[0]
+        assert out == b""
+        assert snapshot(top) == before, f"{verb} wrote nothing"
+
+
+def test_other_entry_scripts_are_listed_and_patched_with_script(tmp_path):
+    top, cwd, meta = _copy(FIXTURES / "fork-shadow", tmp_path / "a")
+    code, diff, err = cli("check", ".", cwd=cwd)
+    assert code == 1
+    assert "main_lora.py also calls the save functions and is not patched (add --script " in err
+    assert b"main_lora.py" not in diff
+    code, diff, err = cli("check", ".", *meta["args"], cwd=cwd)
+    assert b"+++ b/training/step1_supervised_finetuning/main_lora.py" in diff
+    assert b"+++ b/dschat/utils/utils.py" not in diff, "the shadowed copy is left alone"
+
+
+def test_layout_without_step1_main_names_the_candidates(tmp_path):
+    top, cwd, _ = _copy(FIXTURES / "fork-root-script", tmp_path / "a")
+    code, _, err = cli("check", ".", cwd=cwd)
+    assert code == 2
+    assert "sft_train.py" in err and "--main" in err
+
+
+def test_unresolved_import_names_the_lines_and_why(tmp_path):
+    top, cwd, _ = _copy(FIXTURES / "fork-z3-subfolder", tmp_path / "a")
+    main = top / "training/step1_supervised_finetuning/main.py"
+    text = main.read_text().replace("from dschat.utils.utils import", "from dschat_old.utils.utils import")
+    main.write_text(text)
+    code, _, err = cli("check", ".", cwd=cwd)
+    assert code == 2
+    assert "main.py: no import resolves to a utils.py that defines save_hf_format: line 6" in err
+    assert "dschat_old.utils.utils: no dschat_old/ or dschat_old.py on the script's path" in err
+
+
+def test_zero3_save_without_a_config_save_warns(tmp_path):
+    top, cwd, _ = _copy(FIXTURES / "fork-z3-subfolder", tmp_path / "a")
+    main = top / "training/step1_supervised_finetuning/main.py"
+    text = main.read_text()
+    main.write_text(text.replace('        if args.global_rank == 0:\n            save_hf_format(model, tokenizer, args, '
+                                 'sub_folder=f"epoch_{epoch}")\n', ""))
+    code, _, err = cli("check", ".", cwd=cwd)
+    assert code == 1
+    assert "main.py:17: this save_zero_three_model call has no save_hf_format call beside it" in err
+    assert "main.py:27" not in err, "the final save has save_hf_format beside it"
+
+
+# ----------------------------------------------------------------------------- the calls, run for real
+
+
+def _save_calls(script: Path) -> list:
+    """The source text of every save call in a script, in order."""
+    source = script.read_text()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name in SAVE_NAMES or name == "save_z3":
+                out.append((node.lineno, ast.get_source_segment(source, node)))
+    return [src for _, src in sorted(out)]
+
+
+def _run_calls(script: Path, root: Path, out_dir: Path, model, tokenizer) -> None:
+    """Run the script's imports (and sys.path lines) as Python would, then each save call in it."""
+    tree = ast.parse(script.read_text())
+    head = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+            or (isinstance(n, ast.Expr) and "sys.path" in ast.unparse(n))]
+    ns = {"__file__": str(script), "__name__": "dsfix_fixture_script"}
+    saved_path = list(sys.path)
+    sys.path[:0] = [str(script.parent)]
+    sys.path[len(sys.path):] = [str(root), str(root.parent), str(root.parent.parent)]
+    importlib.invalidate_caches()
+    try:
+        exec(compile(ast.Module(body=head, type_ignores=[]), str(script), "exec"), ns)
+        args = Namespace(output_dir=str(out_dir), global_rank=0, zero_stage=0, num_train_epochs=1, save_steps=1)
+        ns.update(model=model, tokenizer=tokenizer, args=args, epoch=0, step=0, os=os)
+        for call in _save_calls(script):
+            eval(call, ns)
+    finally:
+        sys.path[:] = saved_path
+        for name, mod in list(sys.modules.items()):
+            f = getattr(mod, "__file__", None)
+            if f and Path(f).resolve().is_relative_to(root.resolve().parent):
+                del sys.modules[name]
+
+
+def _weights(out: Path, name: str) -> dict:
+    return {p.parent.relative_to(out).as_posix(): p for p in sorted(out.rglob(name))}
+
+
+@pytest.mark.parametrize("name", FORKS)
+def test_patched_calls_save_what_and_where_the_original_did(tmp_path, name, tiny_qwen3, tiny_qwen3_tokenizer):
+    """Every save call of the fork, as written in its scripts, run before and after apply: the same folders
+    get weights (and a config where the original wrote one), with the same tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    top, cwd, meta = _copy(FIXTURES / name, tmp_path / "co")
+    args = meta["args"]
+    scripts = [cwd / "training/step1_supervised_finetuning/main.py"]
+    if "--main" in args:
+        scripts = [cwd / args[args.index("--main") + 1]]
+    scripts += [cwd / args[i + 1] for i, a in enumerate(args) if a == "--script"]
+    for s in scripts:
+        _run_calls(s, cwd, tmp_path / "before", tiny_qwen3, tiny_qwen3_tokenizer)
+    assert cli("apply", ".", *args, cwd=cwd)[0] == 0
+    for s in scripts:
+        _run_calls(s, cwd, tmp_path / "after", tiny_qwen3, tiny_qwen3_tokenizer)
+
+    bins = _weights(tmp_path / "before", "pytorch_model.bin")
+    safes = _weights(tmp_path / "after", "model.safetensors")
+    assert bins and set(safes) == set(bins), (sorted(bins), sorted(safes))
+    assert not _weights(tmp_path / "after", "pytorch_model.bin")
+    assert set(_weights(tmp_path / "before", "config.json")) <= set(_weights(tmp_path / "after", "config.json"))
+    for folder, path in bins.items():
+        old = torch.load(path, weights_only=True)
+        new = load_file(safes[folder])
+        for key, value in old.items():
+            assert torch.equal(new[key], value), (folder, key)
