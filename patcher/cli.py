@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 
 from patcher import __version__
 from patcher.errors import ERROR, DsfixError
@@ -26,8 +25,49 @@ app = typer.Typer(
     help="Make DeepSpeed-Chat save tied-weight models (Qwen3 and friends) correctly, as safetensors.",
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: flags show no value placeholder
 )
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class _Stderr:
+    """Every message goes to stderr: plain text, with colour only on a terminal (NO_COLOR honoured).
+    rich is imported only for a terminal, or for what needs it (tables, progress)."""
+
+    def __init__(self):
+        self._console = None
+
+    @property
+    def console(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=True, highlight=False, soft_wrap=True)
+        return self._console
+
+    def _color(self) -> bool:
+        import os
+
+        return sys.stderr.isatty() and "NO_COLOR" not in os.environ
+
+    def line(self, *parts) -> None:
+        """One line from ``parts``: plain strings, or (text, style) pairs styled on a terminal."""
+        if self._color():
+            from rich.text import Text
+
+            self.console.print(Text.assemble(*parts))
+            return
+        sys.stderr.write("".join(p if isinstance(p, str) else p[0] for p in parts) + "\n")
+        sys.stderr.flush()
+
+    def print(self, obj, markup: bool = False) -> None:
+        """rich's print, for tables and the other renderables of verify, smoke and demo."""
+        if isinstance(obj, str) and not markup:
+            self.line(obj)
+        else:
+            self.console.print(obj, markup=markup)
+
+
+err = _Stderr()
 _debug = {"on": False}
 
 
@@ -56,8 +96,9 @@ MAIN_OPT = typer.Option(
 SCRIPT_OPT = typer.Option(
     [], "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py."
 )
-STEP_OPT = typer.Option(
-    [1], "--step", help="Steps whose main.py to patch (repeatable). Step 2 breaks step 3's critic loader: see README."
+STEPS_OPT = typer.Option(
+    "1", "--steps", metavar="LIST",
+    help="The DeepSpeed-Chat steps to patch, comma-separated: 1 (the default), 1,2 or 1,2,3. See README.",
 )
 
 
@@ -71,7 +112,7 @@ def _guard(fn):
         except DsfixError as e:
             if _debug["on"]:
                 raise
-            err.print(f"dsfix: error: {e}", markup=False)
+            err.print(f"dsfix: error: {e}")
             raise typer.Exit(e.code)
 
     return wrapper
@@ -93,20 +134,22 @@ def _root(
 
 def _print_files(outcome) -> None:
     for f in outcome.files:
-        style = {"refused": "red", "would change": "yellow", "changed": "green"}.get(f.status, "")
+        status = f.status.value
+        style = {"refused": "red", "would change": "yellow", "changed": "green"}.get(status, "none")
         counts = f" (+{f.added} -{f.removed})" if f.added or f.removed else ""
-        err.print(f"  [{style}]{f.status}[/]: {f.rel}{counts}" if style else f"  {f.status}: {f.rel}{counts}")
+        err.line("  ", (status, style), f": {f.rel}{counts}")
         for n in f.notes:
-            err.print(f"      {n}", markup=False)
+            err.line(f"      {n}")
     for w in outcome.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.line(("warning:", "yellow"), f" {w}")
 
 
 def _finish(outcome, as_json: bool) -> None:
     """The human summary on stderr, the JSON result on stdout if asked, then the outcome's exit code."""
-    err.print(f"dsfix {outcome.verb}: {outcome.checkout.root} ({outcome.checkout.layout} layout)", markup=False)
+    where = f"{outcome.layout} layout" if outcome.layout else "as recorded in its state folder"
+    err.print(f"dsfix {outcome.verb}: {outcome.root} ({where})")
     _print_files(outcome)
-    err.print(outcome.message, markup=False)
+    err.print(outcome.message)
     if as_json:
         sys.stdout.write(json.dumps(outcome.to_json(), indent=2) + "\n")
     raise typer.Exit(outcome.exit_code)
@@ -117,7 +160,7 @@ def _finish(outcome, as_json: bool) -> None:
 def check(
     repo: Path = REPO_ARG,
     strategy: Strategy = typer.Option(Strategy.clone, help="How to save tied weights (see apply)."),
-    step: List[int] = STEP_OPT,
+    steps: str = STEPS_OPT,
     main_script: Optional[Path] = MAIN_OPT,
     script: List[Path] = SCRIPT_OPT,
     as_json: bool = JSON_OPT,
@@ -125,7 +168,7 @@ def check(
     """Print the diff apply would make; write nothing. Exit 0: nothing to do, 1: changes pending, 2: error."""
     from patcher import pipeline
 
-    outcome = pipeline.check(repo, strategy.value, _steps(step), main_script, script)
+    outcome = pipeline.check(repo, strategy.value, _steps(steps), main_script, script)
     if not as_json:
         sys.stdout.flush()
         sys.stdout.buffer.write(outcome.diff)
@@ -141,7 +184,7 @@ def apply(
         Strategy.clone, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
         "dedupe: transformers' layout, the alias dropped (310)."
     ),
-    step: List[int] = STEP_OPT,
+    steps: str = STEPS_OPT,
     main_script: Optional[Path] = MAIN_OPT,
     script: List[Path] = SCRIPT_OPT,
     as_json: bool = JSON_OPT,
@@ -149,7 +192,7 @@ def apply(
     """Patch the checkout: all files or none. Exit 0: applied or already applied, 2: error (nothing written)."""
     from patcher import pipeline
 
-    outcome = pipeline.apply(repo, strategy.value, _steps(step), main_script, script)
+    outcome = pipeline.apply(repo, strategy.value, _steps(steps), main_script, script)
     _finish(outcome, as_json)
 
 
@@ -169,11 +212,13 @@ def revert(
     _finish(outcome, as_json)
 
 
-def _steps(step) -> tuple:
-    bad = [s for s in step if s not in (1, 2, 3)]
-    if bad:
-        raise DsfixError(f"--step must be 1, 2 or 3, not {bad[0]}")
-    return tuple(step) or (1,)
+def _steps(text: str) -> tuple:
+    """--steps: a comma-separated list of 1, 2 and 3 (step 1 is patched only when it is listed)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in parts if p not in ("1", "2", "3")]
+    if bad or not parts:
+        raise DsfixError(f"--steps takes a comma-separated list of 1, 2 and 3 (e.g. 1,2,3), not {text!r}")
+    return tuple(sorted({int(p) for p in parts}))
 
 
 @app.command()
@@ -189,7 +234,7 @@ def verify(
 
     report = verify_folder(folder, expect=expect, load=load)
     err.print(checks_table(report.checks, title=f"dsfix verify {folder}"))
-    err.print(f"{'all checks hold' if report.ok else 'verification FAILED'}: {report.tensors} tensors", markup=False)
+    err.print(f"{'all checks hold' if report.ok else 'verification FAILED'}: {report.tensors} tensors")
     if as_json:
         sys.stdout.write(report.to_json() + "\n")
     raise typer.Exit(0 if report.ok else 1)
@@ -217,7 +262,7 @@ def smoke(
     if expect is None and model is None and config is None:
         expect = 311  # the bundled Qwen3-0.6B config: 28 layers x 11 + 3
     report = run_smoke(checkout, device=device.value, dtype=dtype.value, zero_stage=zero_stage, nproc=nproc,
-                       expect=expect, keep=keep, model_dir=model, config_path=config, console=err)
+                       expect=expect, keep=keep, model_dir=model, config_path=config, console=err.console)
     if as_json:
         sys.stdout.write(report.to_json() + "\n")
     raise typer.Exit(0 if report.ok else 1)
@@ -232,7 +277,7 @@ def demo(
     """Check, apply, smoke and revert on the bundled example checkout."""
     from patcher.demo import run_demo
 
-    raise typer.Exit(run_demo(err, device=device.value, keep=keep))
+    raise typer.Exit(run_demo(err.console, device=device.value, keep=keep))
 
 
 def main(argv=None) -> None:
@@ -246,23 +291,23 @@ def main(argv=None) -> None:
         if _debug["on"]:
             raise
         if type(e).__name__ == "NoArgsIsHelpError":
-            err.print(e.format_message(), markup=False)
+            err.print(e.format_message())
             sys.exit(0)
-        err.print(f"dsfix: error: {e.format_message()}", markup=False)
+        err.print(f"dsfix: error: {e.format_message()}")
         sys.exit(ERROR)
     except typer.Abort:
-        err.print("dsfix: interrupted", markup=False)
+        err.print("dsfix: interrupted")
         sys.exit(130)
     except DsfixError as e:
         if _debug["on"]:
             raise
-        err.print(f"dsfix: error: {e}", markup=False)
+        err.print(f"dsfix: error: {e}")
         sys.exit(e.code)
     except KeyboardInterrupt:
-        err.print("dsfix: interrupted; every file is as it was or wholly patched", markup=False)
+        err.print("dsfix: interrupted; every file is as it was or wholly patched")
         sys.exit(130)
     except Exception as e:  # an unexpected failure: still one line, unless --debug
         if _debug["on"] or "--debug" in (argv or sys.argv):
             raise
-        err.print(f"dsfix: internal error: {type(e).__name__}: {e} (run with --debug for a traceback)", markup=False)
+        err.print(f"dsfix: internal error: {type(e).__name__}: {e} (run with --debug for a traceback)")
         sys.exit(ERROR)

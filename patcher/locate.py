@@ -41,16 +41,35 @@ class Checkout:
     def rel(self, path: Path) -> str:
         return Path(os.path.abspath(path)).relative_to(self.root).as_posix()
 
-    def targets(self, steps=(1,)) -> dict:
-        """rel -> role for utils.py and the scripts of ``steps`` (step 1 includes --script ones)."""
-        roles = {self.rel(self.utils_path): "utils"}
+    def targets(self, steps=(1,), strict: bool = True) -> list:
+        """[(rel, role, modules)] for utils.py and the scripts of ``steps`` (step 1 includes --script ones).
+
+        Steps 2 and 3 are resolved here, when asked for: ``strict`` makes a step that is missing or imports
+        another utils.py an error; otherwise it is skipped."""
+        out = [(self.rel(self.utils_path), "utils", ())]
         for step in sorted(set(steps)):
-            if step not in self.step_mains:
-                raise DsfixError(f"this checkout has no step-{step} main.py", path=str(self.root))
-            roles[self.rel(self.step_mains[step])] = f"step{step}"
             if step == 1:
-                roles.update({self.rel(s): "step1" for s in self.scripts})
-        return roles
+                out.append((self.rel(self.step_mains[1]), "step1", self.modules[self.rel(self.step_mains[1])]))
+                out += [(self.rel(s), "step1", self.modules[self.rel(s)]) for s in self.scripts]
+                continue
+            path = self.step_mains.get(step)
+            if path is None:
+                if strict:
+                    raise DsfixError(f"this checkout has no step-{step} main.py", path=str(self.root))
+                continue
+            try:
+                res = _resolve(self.root, path)
+            except DsfixError:
+                if strict:
+                    raise
+                continue
+            if res.utils != self.utils_path:
+                if strict:
+                    raise DsfixError(f"imports {_rel(self.root, res.utils)}, not {self.rel(self.utils_path)} as "
+                                     "step 1 does; patch it in a separate run", path=self.rel(path))
+                continue
+            out.append((self.rel(path), f"step{step}", res.modules))
+        return out
 
 
 def _is_chat_root(d: Path) -> bool:
@@ -93,6 +112,18 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
             + _suggest(start)
         )
     return _checkout_at(root, main_path, [_given(s, "--script") for s in scripts])
+
+
+def find_state_root(repo: str | os.PathLike = ".") -> Path | None:
+    """The folder at or above ``repo`` whose state folder records an earlier apply, if any."""
+    start = Path(repo)
+    if not start.exists():
+        raise DsfixError(f"no such file or folder: {repo}")
+    start = start.resolve()
+    for d in (start, *start.parents):
+        if (d / ".dsfix" / "state.json").is_file() or any(d.glob(".dsfix.old-*")):
+            return d
+    return None
 
 
 def _given(p, option) -> Path:
@@ -160,19 +191,6 @@ def _checkout_at(root: Path, main_path: Path | None, scripts: list) -> Checkout:
                              f"from {_rel(root, utils_path)}; patch them in separate runs", path=str(s))
         modules[_rel(root, s)] = other.modules
         notes += other.notes
-    for step, p in mains.items():
-        if step == 1:
-            continue
-        try:
-            other = _resolve(root, p)
-        except DsfixError:
-            continue  # only an error when that step is asked for; see Checkout.targets
-        if other.utils == utils_path:
-            modules[_rel(root, p)] = other.modules
-        else:
-            mains.pop(step)
-            notes.append(f"{_rel(root, p)} imports {_rel(root, other.utils)}, not {_rel(root, utils_path)}; "
-                         "it is left alone")
     notes += _shadowed(root, utils_path)
     notes += _left_alone(root, main_path, scripts)
     rel_utils = _rel(root, utils_path)

@@ -1,12 +1,16 @@
-"""Pure planning: the bytes of each target file in, the new bytes out, plus what changed and why.
+"""Pure planning: what apply and revert do, decided from bytes already read. No I/O here.
 
-Nothing here reads or writes files; ``patcher.state`` does the I/O. Every new text is re-parsed
-(libcst and ``compile``) before it is offered, so apply never writes a file that does not parse.
+``plan_apply`` takes every target file and the state folder as read, and returns the new bytes of each
+file, the notes and warnings, and the state folder to write (the originals to keep, even when a patched
+file was edited after an earlier apply). ``plan_revert`` decides, file by file, whether to restore the
+original, carry the user's later edits over (a three-way merge, else a structural undo), or refuse.
+The pipeline reads once, calls one of these, and writes once.
 """
 
 from __future__ import annotations
 
 import difflib
+import enum
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -14,7 +18,7 @@ import libcst as cst
 from patcher import transforms
 from patcher.diff import split_lines
 from patcher.errors import DsfixError
-from patcher.template import Template
+from patcher.template import Template, _defined_name, is_dsfix_name
 
 STEP2_WARNING = (
     "step 2 will save model.safetensors, but step 3's critic loader (create_critic_model with "
@@ -23,10 +27,49 @@ STEP2_WARNING = (
 )
 
 
+class Status(str, enum.Enum):
+    """What happened, or would happen, to one file."""
+
+    WOULD_CHANGE = "would change"
+    CHANGED = "changed"
+    UNCHANGED = "unchanged"
+    RESTORED = "restored"
+    MERGED = "merged"
+    STRUCTURAL = "structural"
+    REFUSED = "refused"
+
+
+def sha256(data: bytes) -> str:
+    import hashlib  # here: only apply and revert need it
+
+    return hashlib.sha256(data).hexdigest()
+
+
 @dataclass(frozen=True)
-class FileChange:
+class Target:
+    """One file as read: ``data`` None when it is missing."""
+
     rel: str  # path relative to the checkout root, with "/"
     role: str  # "utils" or "step1" / "step2" / "step3"
+    data: bytes | None
+    modules: tuple = ()  # scripts: the dotted names under which they import utils.py
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The state folder's content: an entry per patched file and the original and patched bytes."""
+
+    entries: dict  # rel -> {"role", "original_sha256", "patched_sha256", "modules", "template", "strategy"}
+    blobs: dict  # (rel, "original" | "patched") -> bytes
+
+    def blob(self, rel: str, kind: str) -> bytes:
+        return self.blobs[(rel, kind)]
+
+
+@dataclass(frozen=True)
+class FileChange:
+    rel: str
+    role: str
     old: bytes
     new: bytes
     notes: tuple = ()
@@ -37,15 +80,38 @@ class FileChange:
 
 
 @dataclass(frozen=True)
-class Plan:
-    changes: tuple
-    strategy: str
-    template_version: int
-    warnings: tuple = ()
+class ApplyPlan:
+    changes: tuple  # FileChange for every target
+    warnings: tuple
+    state: Saved | None  # the state folder to write (None when nothing changes)
 
     @property
     def pending(self) -> list:
         return [c for c in self.changes if c.changed]
+
+
+@dataclass
+class RevertOutcome:
+    rel: str
+    new: bytes | None  # None: leave the file as it is
+    status: Status
+    reason: str = ""
+    notes: list = field(default_factory=list)
+    keep_as: str | None = None  # --force: the user's version is kept under this name
+
+
+@dataclass(frozen=True)
+class RevertPlan:
+    results: tuple
+    refused: tuple  # the refused RevertOutcomes (nothing is written when there are any)
+
+    @property
+    def writes(self) -> list:
+        """(rel, new bytes, old bytes) for every file to write, the kept copies of --force included."""
+        return [(r.rel, r.new) for r in self.results if r.new is not None]
+
+
+# ----------------------------------------------------------------------------- parsing and rendering
 
 
 def parse(data: bytes, rel: str) -> cst.Module:
@@ -58,16 +124,19 @@ def parse(data: bytes, rel: str) -> cst.Module:
 
 
 def render(module: cst.Module, rel: str) -> bytes:
-    """The module's bytes in its own encoding, compiled by Python to be sure they are valid."""
+    """The module's bytes in its own encoding."""
     try:
-        data = module.bytes
+        return module.bytes
     except UnicodeEncodeError as e:
         raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
+
+
+def check_compiles(data: bytes, rel: str) -> None:
+    """Python must compile the new text, so apply never writes a file that does not run."""
     try:
         compile(data, rel, "exec", dont_inherit=True)
     except SyntaxError as e:  # pragma: no cover - a dsfix bug, caught before anything is written
-        raise DsfixError(f"dsfix produced code that does not compile: {e.msg}", path=rel, line=e.lineno)
-    return data
+        raise DsfixError(f"dsfix produced code that does not compile: {e.msg}", path=rel, line=e.lineno) from None
 
 
 def reparse(change: FileChange) -> None:
@@ -79,47 +148,70 @@ def reparse(change: FileChange) -> None:
                          line=e.raw_line) from None
 
 
-def _outcome(res, old: bytes, rel: str, role: str) -> FileChange:
-    new = render(res.module, rel) if res.original is not None else old
-    return FileChange(rel, role, old, new, tuple(res.notes) if new != old else ())
+# ----------------------------------------------------------------------------- apply
 
 
-def plan_utils(old: bytes, rel: str, tpl: Template, strategy: str) -> tuple:
-    """(FileChange, defs): utils.py patched, and the checkout's save functions as read from it."""
-    res = transforms.patch_utils(parse(old, rel), tpl, strategy, rel, old)
-    return _outcome(res, old, rel, "utils"), res.defs
-
-
-def plan_main(old: bytes, rel: str, role: str, modules: tuple, defs: dict) -> tuple:
-    """(FileChange, warnings) for one script."""
+def patch_file(target: Target, tpl: Template, strategy: str, defs: dict | None = None) -> tuple:
+    """(new bytes, notes, warnings, defs) for one target."""
+    rel, data = target.rel, target.data
     try:
-        res = transforms.patch_main(parse(old, rel), modules, defs)
-    except DsfixError as e:
-        raise DsfixError(e.message, e.code, path=rel, line=e.line) from None
-    return _outcome(res, old, rel, role), [f"{rel}:{w}" for w in res.warnings]
-
-
-def make_plan(files: dict, roles: dict, tpl: Template, strategy: str, modules: dict) -> Plan:
-    """``files``: rel -> bytes; ``roles``: rel -> "utils" | "step1" | "step2" | "step3";
-    ``modules``: rel of each script -> the dotted names under which it imports utils.py."""
-    changes, warnings = [], []
-    utils_rel = next(rel for rel, role in roles.items() if role == "utils")
-    try:
-        change, defs = plan_utils(files[utils_rel], utils_rel, tpl, strategy)
+        if target.role == "utils":
+            res = transforms.patch_utils(data, parse(data, rel), tpl, strategy, rel)
+            return res.new, res.notes, [], res.defs
+        res = transforms.patch_main(data, target.modules, defs, rel)
     except DsfixError as e:
         if e.path is None:
-            e.path = utils_rel
+            e.path = rel
         raise
-    changes.append(change)
-    for rel, role in roles.items():
-        if role == "utils":
-            continue
-        change, found = plan_main(files[rel], rel, role, modules[rel], defs)
+    new = res.new if res.new is not None else data
+    return new, res.notes if new != data else [], [f"{rel}:{w}" for w in res.warnings], defs
+
+
+def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None = None,
+               verify: bool = False) -> ApplyPlan:
+    """``targets``: utils.py first, then the scripts. ``verify``: compile every new text and parse it back
+    with libcst (apply does; check, which writes nothing, shows the diff without)."""
+    changes, warnings, defs = [], [], None
+    for t in targets:
+        if t.data is None:
+            raise DsfixError("no such file", path=t.rel)
+        new, notes, found, defs = patch_file(t, tpl, strategy, defs)
+        change = FileChange(t.rel, t.role, t.data, new, tuple(notes))
+        if change.changed and verify:  # before apply writes: Python compiles it, libcst parses it back
+            check_compiles(new, t.rel)
+            reparse(change)
         changes.append(change)
         warnings += found
-        if role == "step2":
+        if t.role == "step2":
             warnings.append(STEP2_WARNING)
-    return Plan(tuple(changes), strategy, tpl.version, tuple(warnings))
+    pending = [c for c in changes if c.changed]
+    state = None
+    if pending:
+        entries = dict(saved.entries) if saved else {}
+        blobs = dict(saved.blobs) if saved else {}
+        by_rel = {t.rel: t for t in targets}
+        for c in pending:
+            original = c.old
+            if saved is not None and c.rel in saved.entries:
+                original = original_under_edits(saved, c.rel, c.old, by_rel[c.rel].modules)
+            entries[c.rel] = {"role": c.role, "original_sha256": sha256(original), "patched_sha256": sha256(c.new),
+                              "template": tpl.version, "strategy": strategy, "modules": list(by_rel[c.rel].modules)}
+            blobs[(c.rel, "original")] = original
+            blobs[(c.rel, "patched")] = c.new
+        state = Saved(entries, blobs)
+    return ApplyPlan(tuple(changes), tuple(warnings), state)
+
+
+def original_under_edits(saved: Saved, rel: str, current: bytes, modules: tuple) -> bytes:
+    """The original to keep when a file dsfix patched before is patched again (an upgrade, say)."""
+    entry = saved.entries[rel]
+    if sha256(current) == entry["patched_sha256"]:
+        return saved.blob(rel, "original")
+    # edited after the last apply: carry the user's edits over to the recorded original
+    merged = merge3(saved.blob(rel, "patched"), current, saved.blob(rel, "original"))
+    if merged is not None:
+        return merged
+    return unpatch(current, rel, entry["role"], tuple(entry.get("modules") or modules))
 
 
 # ----------------------------------------------------------------------------- revert
@@ -127,26 +219,31 @@ def make_plan(files: dict, roles: dict, tpl: Template, strategy: str, modules: d
 
 def unpatch(data: bytes, rel: str, role: str, modules: tuple) -> bytes:
     """Undo dsfix's change structurally; the user's other edits stay."""
-    module = parse(data, rel)
     try:
         if role == "utils":
-            res = transforms.unpatch_utils(module)
+            module = parse(data, rel)
+            new = transforms.unpatch_utils(module)
+            out = render(new, rel) if new is not module else data
         else:
-            res = transforms.unpatch_main(module, modules)
+            out = transforms.unpatch_main(data, modules, rel).new or data
     except DsfixError as e:
         raise DsfixError(e.message, e.code, path=rel) from None
-    return render(res.module, rel) if res.original is not None else data
+    if out != data:
+        check_compiles(out, rel)
+    return out
 
 
 def dsfix_block(data: bytes) -> str:
     """dsfix's inserted statements (and the marker), as text, to tell whether a user edited them."""
     module = cst.parse_module(data)
-    parts = []
-    for stmt in module.body:
-        name = transforms._defined_name(stmt)
-        if name is not None and transforms.is_dsfix_name(name):
-            parts.append(module.code_for_node(stmt))
-    return "".join(parts)
+    return "".join(module.code_for_node(s) for s in module.body
+                   if (n := _defined_name(s)) is not None and is_dsfix_name(n))
+
+
+def has_residue(data: bytes, rel: str, role: str, modules: tuple) -> bool:
+    if role == "utils":
+        return transforms.find_marker(parse(data, rel)) is not None
+    return transforms.main_is_patched(data, modules, rel)
 
 
 def _hunks(a: list, b: list) -> list:
@@ -168,10 +265,77 @@ def merge3(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
     return b"".join(out)
 
 
-@dataclass
-class RevertOutcome:
-    rel: str
-    new: bytes | None  # None: refused
-    how: str  # "restored", "merged", "structural", "unchanged", "refused"
-    reason: str = ""
-    notes: list = field(default_factory=list)
+_OVERLAP = ("edited after apply in a way that overlaps dsfix's change (use --force to restore the original and "
+            "keep your version beside it)")
+
+
+def revert_with_state(saved: Saved, rel: str, current: bytes | None) -> RevertOutcome:
+    entry = saved.entries[rel]
+    role, modules = entry["role"], tuple(entry.get("modules") or ())
+    if current is None:
+        return RevertOutcome(rel, None, Status.REFUSED, "the file is gone; restore it or use --force")
+    original, patched = saved.blob(rel, "original"), saved.blob(rel, "patched")
+    if sha256(current) == entry["patched_sha256"]:
+        return RevertOutcome(rel, original, Status.RESTORED)
+    if sha256(current) == entry["original_sha256"]:
+        return RevertOutcome(rel, None, Status.UNCHANGED)
+    merged = merge3(patched, current, original)
+    if merged is not None and not has_residue(merged, rel, role, modules):
+        return RevertOutcome(rel, merged, Status.MERGED, notes=["kept your edits made after apply"])
+    structural_ok = unpatch(patched, rel, role, modules) == original
+    if role == "utils":
+        structural_ok = structural_ok and dsfix_block(current) == dsfix_block(patched)
+    if structural_ok:
+        try:
+            return RevertOutcome(rel, unpatch(current, rel, role, modules), Status.STRUCTURAL,
+                                 notes=["kept your edits made after apply"])
+        except DsfixError:
+            pass
+    return RevertOutcome(rel, None, Status.REFUSED, _OVERLAP)
+
+
+def revert_without_state(target: Target, tpl_for, force: bool) -> RevertOutcome:
+    """``tpl_for(strategy)``: the template, to tell whether dsfix's block was edited."""
+    rel, role, cur = target.rel, target.role, target.data
+    if not has_residue(cur, rel, role, target.modules):
+        return RevertOutcome(rel, None, Status.UNCHANGED)
+    if role == "utils":
+        module = parse(cur, rel)
+        info = transforms.find_marker(module)
+        strategy = info.get("strategy") if info.get("strategy") in ("clone", "dedupe") else "clone"
+        tpl = tpl_for(strategy)
+        if f"v{tpl.version}" == info.get("template") and not force:
+            base = unpatch(cur, rel, role, ())
+            redo = transforms.patch_utils(base, parse(base, rel), tpl, strategy, rel).new
+            if dsfix_block(redo) != dsfix_block(cur):
+                return RevertOutcome(rel, None, Status.REFUSED, "dsfix's inserted code was edited, and there is no "
+                                     "state folder to compare with (use --force to remove it anyway)")
+        if info.get("replaced") and force:
+            new = render(transforms.unpatch_utils(module, keep_replaced=True), rel)
+            return RevertOutcome(rel, new, Status.STRUCTURAL,
+                                 notes=["the hand-written function dsfix replaced could not be restored"])
+    try:
+        new = unpatch(cur, rel, role, target.modules)
+    except DsfixError as e:
+        return RevertOutcome(rel, None, Status.REFUSED, e.message)
+    return RevertOutcome(rel, new, Status.STRUCTURAL, notes=["no state folder: undone structurally"])
+
+
+def plan_revert(targets: list, saved: Saved | None, force: bool, tpl_for) -> RevertPlan:
+    """One decision per file. With the state folder, ``targets`` are the files it records; without it,
+    utils.py first: when it holds no dsfix block, dsfix never patched this checkout and the scripts'
+    calls of save_hf_format_safetensors are someone's hand edit, left alone."""
+    if saved is not None:
+        results = [revert_with_state(saved, t.rel, t.data) for t in targets]
+    elif not has_residue(targets[0].data, targets[0].rel, "utils", ()):
+        results = [RevertOutcome(t.rel, None, Status.UNCHANGED) for t in targets]
+    else:
+        results = [revert_without_state(t, tpl_for, force) for t in targets]
+    refused = [r for r in results if r.status == Status.REFUSED]
+    if refused and force and saved is not None:
+        for r in refused:
+            r.new, r.status = saved.blob(r.rel, "original"), Status.RESTORED
+            r.keep_as = r.rel + ".dsfix-edited"
+            r.notes.append(f"--force: your version is kept as {r.keep_as}")
+        refused = []
+    return RevertPlan(tuple(results), tuple(refused))

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patcher.calls import Source, parse_script, statements
 from patcher.errors import DsfixError
 
 SAVE_NAMES = ("save_hf_format", "save_zero_three_model")
@@ -49,8 +50,8 @@ class Resolution:
         return "no import resolves to a utils.py that defines save_hf_format: " + "; ".join(parts) + more
 
 
-def _short(node: ast.AST, source: str) -> str:
-    text = ast.get_source_segment(source, node) or ""
+def _short(node: ast.AST, source) -> str:
+    text = source.segment(node)
     text = " ".join(text.replace("\\\n", " ").split())
     return text if len(text) <= 100 else text[:97] + "..."
 
@@ -172,7 +173,11 @@ def sys_path_changes(tree: ast.Module, script: Path, source: str) -> tuple:
     """(folders prepended, folders appended, notes) from the script's sys.path.append/insert calls."""
     ev = _PathEval(script)
     front, back, notes = [], [], []
-    for stmt in ast.walk(tree):
+    if "sys.path" not in source.text:
+        return (), (), []
+    for stmt in statements(tree):
+        if isinstance(stmt, ast.Expr):
+            stmt = stmt.value
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
             try:
                 ev.env[stmt.targets[0].id] = ev.eval(stmt.value)
@@ -320,15 +325,12 @@ def _may_bring_save(node) -> bool:
 
 def resolve_script(script: Path, data: bytes, chat_root: Path) -> Resolution:
     """Which file the script's save_hf_format comes from, and under which dotted names."""
-    source = data.decode("utf-8-sig", errors="replace")
-    try:
-        tree = ast.parse(source, str(script))
-    except SyntaxError as e:
-        raise DsfixError(f"does not parse: {e.msg}", path=str(script), line=e.lineno) from None
+    tree, decoded = parse_script(data, str(script))
+    source = Source(decoded.text)
     roots, notes = search_path(script, tree, source, chat_root)
     res = Resolution(script, None, (), roots, notes=notes)
     by_file: dict = {}
-    for node in ast.walk(tree):
+    for node in statements(tree):
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         relevant = _may_bring_save(node)

@@ -385,38 +385,39 @@ def generate(sd: SaveDef, docstring: str, indent: str = "    ") -> str:
 # ----------------------------------------------------------------------------- binding a call
 
 
-def bind(params: tuple, call: cst.Call) -> dict | None:
-    """param name -> argument expression text, as ``inspect.Signature.bind`` would bind ``call``.
+def bind(params: tuple, args: list) -> dict | None:
+    """param name -> argument text, as ``inspect.Signature.bind`` would bind a call's ``args``
+    (patcher.calls.Arg: keyword, star, text).
 
     None when the call unpacks ``*x``/``**y`` (it binds as it did before, the parameters being the same).
     Raises ValueError naming the parameter when the call cannot bind.
     """
-    if any(a.star for a in call.args):
+    if any(a.star for a in args):
         return None
     slots = [p for p in params if p.kind in ("posonly", "pos")]
     varpos = next((p for p in params if p.kind == "varpos"), None)
     varkw = next((p for p in params if p.kind == "varkw"), None)
     by_name = {p.name: p for p in params if p.kind in ("pos", "kwonly")}
     bound = {}
-    positional = [a for a in call.args if a.keyword is None]
+    positional = [a for a in args if a.keyword is None]
     for i, a in enumerate(positional):
         if i < len(slots):
-            bound[slots[i].name] = code(a.value)
+            bound[slots[i].name] = a.text
         elif varpos is not None:
-            bound.setdefault(varpos.name, []).append(code(a.value))
+            bound.setdefault(varpos.name, []).append(a.text)
         else:
             raise ValueError(f"takes {len(slots)} positional argument{'s' if len(slots) != 1 else ''} but "
-                             f"the call passes {len(positional)} (argument {i + 1}, `{code(a.value)}`, has no parameter)")
-    for a in call.args:
+                             f"the call passes {len(positional)} (argument {i + 1}, `{a.text}`, has no parameter)")
+    for a in args:
         if a.keyword is None:
             continue
-        key = a.keyword.value
+        key = a.keyword
         if key in by_name:
             if key in bound:
                 raise ValueError(f"parameter {key} gets two values (by position and by keyword)")
-            bound[key] = code(a.value)
+            bound[key] = a.text
         elif varkw is not None:
-            bound.setdefault(varkw.name, {})[key] = code(a.value)
+            bound.setdefault(varkw.name, {})[key] = a.text
         else:
             raise ValueError(f"has no parameter {key} (passed by keyword)")
     for p in params:

@@ -1,29 +1,33 @@
-"""Everything that touches the disk: reading targets, the lock, atomic writes and the state folder.
+"""Everything that touches the disk: reading targets, the lock, and one all-or-nothing commit.
 
 The state folder ``.dsfix/`` sits at the checkout root and ignores itself (its ``.gitignore`` says ``*``).
-It keeps, for each patched file, the original bytes and the bytes dsfix wrote, with their hashes,
-so ``revert`` can restore originals exactly, and tell when a file was edited after ``apply``.
+It keeps, for each patched file, the original bytes and the bytes dsfix wrote, with their hashes, so
+``revert`` can restore originals exactly and tell when a file was edited after ``apply``.
+
+``commit`` writes the target files and the state folder together, or nothing: the new state folder is
+built whole under a temporary name, every new file is written to a temporary file beside its target,
+then the state folder is swapped in and the files are renamed into place. On any failure (or Ctrl-C)
+the renamed files get their old bytes back and the old state folder returns, byte for byte. A kill
+leaves each file wholly old or wholly new; the next run puts an orphaned state folder back and clears
+temporary files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from patcher.errors import LOCKED, DsfixError
+from patcher.plan import Saved, sha256
 
 STATE_DIR = ".dsfix"
-STATE_VERSION = 1
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+STATE_VERSION = 2
+TMP_SUFFIX = ".dsfix-tmp"
+KEEP = object()  # commit(..., state=KEEP): leave the state folder as it is
 
 
 def read_bytes(path: Path, rel: str) -> bytes:
@@ -65,7 +69,63 @@ def lock(root: Path):
         os.close(fd)
 
 
-# ----------------------------------------------------------------------------- atomic writes
+# ----------------------------------------------------------------------------- the state folder
+
+
+def _orphans(root: Path, kind: str) -> list:
+    return sorted(p for p in root.glob(f"{STATE_DIR}.{kind}-*") if p.is_dir())
+
+
+def recover(root: Path) -> None:
+    """After a killed run: put back a state folder that was moved aside, drop a half-built new one."""
+    if not (root / STATE_DIR).exists():
+        old = _orphans(root, "old")
+        if old:
+            os.replace(old[-1], root / STATE_DIR)
+    for p in _orphans(root, "new") + _orphans(root, "old"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load(root: Path) -> Saved | None:
+    """The state folder's content, each copy checked against its hash; None when there is none."""
+    folder = root / STATE_DIR
+    if folder.is_symlink():
+        raise DsfixError("the state folder is a symlink; refusing to use it", path=STATE_DIR)
+    if not (folder / "state.json").is_file():
+        return None
+    try:
+        data = json.loads((folder / "state.json").read_text("utf-8"))
+        entries, blobs = data["files"], {}
+        for rel, entry in entries.items():
+            for kind in ("original", "patched"):
+                blob = (folder / kind / rel).read_bytes()
+                if sha256(blob) != entry[f"{kind}_sha256"]:
+                    raise ValueError(f"{kind} copy of {rel} does not match its hash")
+                blobs[(rel, kind)] = blob
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DsfixError(f"the state folder is damaged ({e}); move it away to revert structurally",
+                         path=STATE_DIR) from None
+    return Saved(entries, blobs)
+
+
+def _build(folder: Path, saved: Saved) -> None:
+    folder.mkdir()
+    files = {".gitignore": b"# written by dsfix: this folder ignores itself\n*\n"}
+    for (rel, kind), data in saved.blobs.items():
+        files[f"{kind}/{rel}"] = data
+    files["state.json"] = (json.dumps({"state_version": STATE_VERSION, "files": saved.entries}, indent=2,
+                                      sort_keys=True) + "\n").encode()
+    for name, data in files.items():
+        p = folder / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+# ----------------------------------------------------------------------------- writing
 
 
 def _fsync_dir(path: Path) -> None:
@@ -78,10 +138,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_temp(target: Path, data: bytes) -> Path:
-    """Write ``data`` to a temporary file beside ``target`` (same folder, same mode), fsynced."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".dsfix-tmp")
+    """``data`` in a temporary file beside ``target`` (same folder, same mode), fsynced. Temporary files of
+    a killed earlier run beside the same target are removed first."""
+    for stale in target.parent.glob(f".{target.name}.*{TMP_SUFFIX}"):
+        if stale.name[len(target.name) + 2:-len(TMP_SUFFIX)].isdigit():  # .NAME.PID.dsfix-tmp, nothing else
+            with contextlib.suppress(OSError):
+                stale.unlink()
+    tmp = target.parent / f".{target.name}.{os.getpid()}{TMP_SUFFIX}"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -91,36 +156,39 @@ def _write_temp(target: Path, data: bytes) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return Path(tmp)
+    return tmp
 
 
-def atomic_write(target: Path, data: bytes) -> None:
-    tmp = _write_temp(target, data)
+def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> None:
+    """Write ``writes`` ([(path, new bytes)]) and replace the state folder with ``state`` (a Saved, None to
+    remove it, KEEP to leave it): all of it, or nothing."""
+    folder, pid = root / STATE_DIR, os.getpid()
+    new_dir, old_dir = root / f"{STATE_DIR}.new-{pid}", root / f"{STATE_DIR}.old-{pid}"
+    temps, done, swapped = [], [], False
     try:
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
-
-
-def write_all(writes: list, rel_of=lambda p: str(p)) -> None:
-    """Replace several files, all or nothing.
-
-    Every new text goes to a temporary file first; only when all of them are on disk are they renamed
-    into place, one by one. If any step fails (or is interrupted), the files already replaced get their
-    old bytes back and the temporary files are removed. A rename is atomic, so at any moment each file
-    is wholly old or wholly new.
-    """
-    temps, done = [], []
-    try:
-        for target, new, _old in writes:
+        if isinstance(state, Saved):
             try:
-                temps.append((target, _write_temp(target, new)))
+                _build(new_dir, state)
+            except OSError as e:
+                raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
+                                 path=STATE_DIR) from None
+        for target, data in writes:
+            try:
+                temps.append((target, _write_temp(target, data)))
             except OSError as e:
                 raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
-        for (target, tmp), (_t, _new, old) in zip(temps, writes):
+        if state is not KEEP:
+            try:
+                if folder.exists():
+                    os.replace(folder, old_dir)
+                swapped = True
+                if isinstance(state, Saved):
+                    os.replace(new_dir, folder)
+            except OSError as e:
+                raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
+                                 path=STATE_DIR) from None
+        for target, tmp in temps:
+            old = target.read_bytes() if target.exists() else None
             try:
                 os.replace(tmp, target)
             except OSError as e:
@@ -130,77 +198,20 @@ def write_all(writes: list, rel_of=lambda p: str(p)) -> None:
             _fsync_dir(target.parent)
     except BaseException:
         for target, old in reversed(done):
-            atomic_write(target, old)
+            if old is None:
+                target.unlink()
+            else:
+                tmp = _write_temp(target, old)
+                os.replace(tmp, target)
         for _target, tmp in temps:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        if swapped:
+            if isinstance(state, Saved) and not new_dir.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # the new one was swapped in: take it out
+            if old_dir.exists():
+                os.replace(old_dir, folder)
+        shutil.rmtree(new_dir, ignore_errors=True)
         raise
-
-
-# ----------------------------------------------------------------------------- the state folder
-
-
-class State:
-    """``.dsfix/state.json`` plus ``original/`` and ``patched/`` copies of every patched file."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.dir = root / STATE_DIR
-        self.data = {"state_version": STATE_VERSION, "files": {}}
-
-    @property
-    def exists(self) -> bool:
-        return (self.dir / "state.json").is_file()
-
-    @property
-    def files(self) -> dict:
-        return self.data["files"]
-
-    @classmethod
-    def load(cls, root: Path) -> "State":
-        st = cls(root)
-        if st.dir.is_symlink():
-            raise DsfixError("the state folder is a symlink; refusing to use it", path=STATE_DIR)
-        if not st.exists:
-            return st
-        try:
-            st.data = json.loads((st.dir / "state.json").read_text("utf-8"))
-            for rel, entry in st.files.items():
-                for kind in ("original", "patched"):
-                    blob = st.blob(rel, kind)
-                    if sha256(blob) != entry[f"{kind}_sha256"]:
-                        raise ValueError(f"{kind} copy of {rel} does not match its hash")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DsfixError(
-                f"the state folder is damaged ({e}); move it away to revert structurally", path=STATE_DIR
-            ) from None
-        return st
-
-    def blob(self, rel: str, kind: str) -> bytes:
-        return (self.dir / kind / rel).read_bytes()
-
-    def record(self, rel: str, role: str, original: bytes, patched: bytes, **info) -> None:
-        self.files[rel] = {
-            "role": role,
-            "original_sha256": sha256(original),
-            "patched_sha256": sha256(patched),
-            **info,
-        }
-        self._pending_blobs = getattr(self, "_pending_blobs", []) + [(rel, original, patched)]
-
-    def save(self, **meta) -> None:
-        self.data.update(meta)
-        self.dir.mkdir(exist_ok=True)
-        gi = self.dir / ".gitignore"
-        if not gi.exists():
-            atomic_write(gi, b"# written by dsfix: this folder ignores itself\n*\n")
-        for rel, original, patched in getattr(self, "_pending_blobs", []):
-            for kind, data in (("original", original), ("patched", patched)):
-                p = self.dir / kind / rel
-                p.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(p, data)
-        self._pending_blobs = []
-        atomic_write(self.dir / "state.json", (json.dumps(self.data, indent=2, sort_keys=True) + "\n").encode())
-
-    def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+    shutil.rmtree(old_dir, ignore_errors=True)
+    _fsync_dir(root)

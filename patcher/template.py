@@ -1,14 +1,16 @@
 """Find and read the code dsfix inserts (templates/save_safetensors.py) without importing it.
 
-The template is parsed with libcst only, so the patch path never imports torch.
-It ships inside the wheel as ``patcher.templates``; an editable or source-tree run
-falls back to the top-level ``templates/`` folder.
+The template is read as text and analysed with Python's ``ast``, so the patch path never imports torch
+and never needs libcst to parse the template. It ships inside the wheel as ``patcher.templates``; an
+editable or source-tree run falls back to the top-level ``templates/`` folder.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import libcst as cst
@@ -18,6 +20,7 @@ from patcher.errors import DsfixError
 TEMPLATE_FILE = "save_safetensors.py"
 PUBLIC_NAMES = ("save_hf_format_safetensors", "save_zero_three_model_safetensors")
 STRATEGIES = ("clone", "dedupe")
+_STRATEGY_LINE = re.compile(r'^_DSFIX_STRATEGY = "[a-z]+"$', re.M)
 
 
 def is_dsfix_name(name: str) -> bool:
@@ -47,13 +50,26 @@ class ImportSpec:
 class Template:
     version: int
     imports: tuple  # of ImportSpec
-    body: str  # the top-level definitions, as source text with "\n" newlines and 4-space indents
+    body: str  # the inserted code, as source text with "\n" newlines and 4-space indents
     path: Path
-    statements: tuple = ()  # the same definitions as parsed libcst nodes (4-space indents, "\n")
-    public_text: dict = None  # public function name -> its source, as patcher.signature.generate writes it
+    public: dict = field(default_factory=dict)  # public name -> (start, end) character span in body
+    docstrings: dict = field(default_factory=dict)  # public name -> its docstring line, as written
+
+    def text(self, public_text: dict) -> str:
+        """The body with each public function replaced by ``public_text[name]`` (where given)."""
+        out, at = [], 0
+        for name, (start, end) in sorted(self.public.items(), key=lambda kv: kv[1]):
+            if name in public_text:
+                out += [self.body[at:start], public_text[name]]
+                at = end
+        return "".join(out) + self.body[at:]
 
 
 def template_path() -> Path:
+    here = Path(__file__).resolve().parent
+    for p in (here / "templates" / TEMPLATE_FILE, here.parent / "templates" / TEMPLATE_FILE):
+        if p.is_file():  # an installed wheel (patcher/templates/), then the source tree
+            return p
     try:
         from importlib.resources import files
 
@@ -62,9 +78,6 @@ def template_path() -> Path:
             return Path(str(p))
     except (ModuleNotFoundError, TypeError, FileNotFoundError):
         pass
-    p = Path(__file__).resolve().parent.parent / "templates" / TEMPLATE_FILE
-    if p.is_file():
-        return p
     raise DsfixError(f"dsfix's template {TEMPLATE_FILE} is missing from this installation")
 
 
@@ -81,34 +94,61 @@ def load_template(strategy: str = "clone") -> Template:
     if strategy not in STRATEGIES:
         raise DsfixError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     path = template_path()
-    module = cst.parse_module(path.read_bytes())
-    imports: list[ImportSpec] = []
-    body: list[str] = []
-    version = None
-    for stmt in module.body:
-        small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
-        if isinstance(small, cst.Import):
-            imports += [ImportSpec(dotted(a.name)) for a in small.names]
-        elif isinstance(small, cst.ImportFrom):
-            imports += [ImportSpec(dotted(small.module), a.name.value) for a in small.names]
-        elif isinstance(small, cst.Expr) and isinstance(small.value, cst.SimpleString):
+    return parse_template(path.read_text(encoding="utf-8"), strategy, path)
+
+
+def parse_template(source: str, strategy: str = "clone", path: Path = Path(TEMPLATE_FILE)) -> Template:
+    """The template's imports, and the text to insert: from the comment lines right above its first
+    statement after the imports to the end, the strategy constant set to ``strategy``."""
+    source, n = _STRATEGY_LINE.subn(f'_DSFIX_STRATEGY = "{strategy}"', source)
+    if n != 1:
+        raise DsfixError('template has no line `_DSFIX_STRATEGY = "..."`', path=str(path))
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    imports, version, first, public, docs = [], None, None, {}, {}
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Import):
+            imports += [ImportSpec(a.name) for a in stmt.names]
+            continue
+        if isinstance(stmt, ast.ImportFrom):
+            imports += [ImportSpec(stmt.module, a.name) for a in stmt.names]
+            continue
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and first is None:
             continue  # the module docstring stays in dsfix
-        else:
-            name = _defined_name(stmt)
-            if name is None or not is_dsfix_name(name):
-                raise DsfixError(f"template statement defines {name!r}, which is not a dsfix name", path=str(path))
-            if name == "_DSFIX_TEMPLATE_VERSION":
-                version = int(small.value.value)
-            if name == "_DSFIX_STRATEGY":
-                stmt = stmt.with_changes(body=[small.with_changes(value=cst.SimpleString(f'"{strategy}"'))])
-            body.append(stmt.with_changes(leading_lines=[]) if not body else stmt)
-    if version is None:
+        name = _ast_name(stmt)
+        if name is None or not is_dsfix_name(name):
+            raise DsfixError(f"template statement at line {stmt.lineno} defines {name!r}, which is not a dsfix name",
+                             path=str(path))
+        if name == "_DSFIX_TEMPLATE_VERSION":
+            version = stmt.value.value
+        if name in PUBLIC_NAMES:
+            public[name] = (starts[stmt.lineno - 1], starts[stmt.end_lineno])
+            doc = stmt.body[0]
+            docs[name] = "".join(lines[doc.lineno - 1:doc.end_lineno]).strip() if isinstance(doc, ast.Expr) else '""'
+        if first is None:
+            first = stmt
+    if version is None or first is None:
         raise DsfixError("template has no _DSFIX_TEMPLATE_VERSION", path=str(path))
-    text = module.with_changes(body=body, header=[], footer=[]).code
-    public = {_defined_name(s): cst.Module([]).code_for_node(s.with_changes(leading_lines=[]))
-              for s in body if _defined_name(s) in PUBLIC_NAMES}
-    return Template(version=version, imports=tuple(imports), body=text, path=path, statements=tuple(body),
-                    public_text=public)
+    start = first.lineno - 1
+    while start > 0 and lines[start - 1].lstrip().startswith("#"):
+        start -= 1  # the comment right above the first statement goes in with it
+    offset = starts[start]
+    public = {name: (a - offset, b - offset) for name, (a, b) in public.items()}
+    return Template(version=version, imports=tuple(imports), body=source[offset:], path=path, public=public,
+                    docstrings=docs)
+
+
+def _ast_name(stmt) -> str | None:
+    if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+        return stmt.name
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        return stmt.targets[0].id
+    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+        return stmt.target.id
+    return None
 
 
 def _defined_name(stmt: cst.CSTNode) -> str | None:

@@ -7,16 +7,16 @@ the original bytes when the file was not edited afterwards.
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, ScopeProvider
 
-from patcher import signature
+from patcher import calls, signature
 from patcher.errors import DsfixError
 from patcher.signature import RENAMES
-from patcher.template import ImportSpec, Template, _defined_name, dotted, is_dsfix_name
+from patcher.template import PUBLIC_NAMES, ImportSpec, Template, _defined_name, dotted, is_dsfix_name
 
 NEW_NAMES = {new: old for old, new in RENAMES.items()}
 MARKER_PREFIX = "# dsfix:"
@@ -25,18 +25,11 @@ MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
 
 @dataclass
 class Result:
-    """A transformed module and what was done. ``changed`` renders code, so callers holding the original
-    bytes compare those instead (one code generation, not two)."""
+    """A script's new bytes (None: nothing to do) and what was done."""
 
-    module: cst.Module
+    new: bytes | None
     notes: list = field(default_factory=list)
-    original: cst.Module | None = None  # None: nothing was done
-    defs: dict = field(default_factory=dict)  # utils.py: old save name -> signature.SaveDef
     warnings: list = field(default_factory=list)
-
-    @property
-    def changed(self) -> bool:
-        return self.original is not None and self.module.code != self.original.code
 
 
 # ----------------------------------------------------------------------------- the marker line
@@ -222,30 +215,15 @@ def _remove_import(body: list, spec: ImportSpec) -> list:
     return body
 
 
-def public_functions(tpl: Template, defs: dict) -> list:
-    """The template's statements, its two public functions made to take the checkout's own parameters."""
-    out = []
-    for stmt in tpl.statements:
-        name = _defined_name(stmt)
-        old = NEW_NAMES.get(name)
-        if old is not None and isinstance(stmt, cst.FunctionDef):
-            doc = signature.code(stmt.body.body[0]).strip()
-            text = signature.generate(defs[old], doc)
-            if text != tpl.public_text.get(name):
-                stmt = cst.parse_statement(text).with_changes(leading_lines=stmt.leading_lines)
-        out.append(stmt)
-    return out
-
-
-def _block_statements(module: cst.Module, tpl: Template, marker: str, defs: dict) -> list:
-    """The template's statements, in the target file's own indentation and newline style."""
-    lead = [cst.EmptyLine(), cst.EmptyLine(), cst.EmptyLine(comment=cst.Comment(marker))]
-    stmts = public_functions(tpl, defs)
-    if module.default_indent == "    " and module.default_newline == "\n" and stmts:
-        stmts[0] = stmts[0].with_changes(leading_lines=lead)  # the nodes render in the target's style: no re-parse
-        return stmts
-    text = cst.Module(body=stmts).code if any(a is not b for a, b in zip(stmts, tpl.statements)) else tpl.body
-    indent = module.default_indent
+def block_text(tpl: Template, defs: dict, marker: str, indent: str = "    ", newline: str = "\n") -> str:
+    """dsfix's block as inserted: two blank lines, the marker, then the template's code with its public
+    functions made to take the checkout's own parameters, in the file's indentation and newlines."""
+    public = {}
+    for name in PUBLIC_NAMES:
+        text = signature.generate(defs[NEW_NAMES[name]], tpl.docstrings[name])
+        if text != tpl.body[slice(*tpl.public[name])]:
+            public[name] = text
+    text = "\n\n" + marker + "\n" + tpl.text(public)
     if indent != "    ":
         lines = []
         for line in text.split("\n"):
@@ -253,14 +231,30 @@ def _block_statements(module: cst.Module, tpl: Template, marker: str, defs: dict
             n = len(line) - len(stripped)
             lines.append(indent * (n // 4) + " " * (n % 4) + stripped)
         text = "\n".join(lines)
-    text = text.replace("\n", module.default_newline)
-    block = cst.parse_module(text, config=module.config_for_parsing)
-    stmts = list(block.body)
-    stmts[0] = stmts[0].with_changes(leading_lines=lead)
-    return stmts
+    return text.replace("\n", newline)
 
 
-def patch_utils(module: cst.Module, tpl: Template, strategy: str, rel: str = "", data: bytes = b"") -> Result:
+_PLACEHOLDER = "_DSFIX_BLOCK_GOES_HERE"
+
+
+def _with_block(module: cst.Module, block: str) -> str:
+    """The module's code with its placeholder statement replaced by ``block``."""
+    code = module.code
+    at = code.index(_PLACEHOLDER)
+    end = at + len(_PLACEHOLDER)
+    if code.startswith(module.default_newline, end):
+        return code[:at] + block + code[end + len(module.default_newline):]
+    return code[:at] + block[: -len(module.default_newline)] + code[end:]  # the file ended without a newline
+
+
+@dataclass
+class UtilsResult:
+    new: bytes
+    notes: list
+    defs: dict  # old save name -> signature.SaveDef
+
+
+def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, rel: str = "") -> UtilsResult:
     """Insert (or upgrade) dsfix's block right after save_hf_format, plus the imports it needs.
 
     A hand-written function of the same name (the widely copied fix) is replaced in place, and the
@@ -268,7 +262,7 @@ def patch_utils(module: cst.Module, tpl: Template, strategy: str, rel: str = "",
     """
     notes = []
     info = find_marker(module)
-    base = unpatch_utils(module, keep_replaced=True).module if info else module
+    base = unpatch_utils(module, keep_replaced=True) if info else module
     if not any(isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format" for s in base.body):
         raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
     defs = signature.find_defs(base, rel, data)
@@ -287,8 +281,7 @@ def patch_utils(module: cst.Module, tpl: Template, strategy: str, rel: str = "",
                 slot = len(kept)
     if slot is None:
         slot = next(i for i, s in enumerate(kept) if isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format") + 1
-    placeholder = cst.SimpleStatementLine([cst.Pass()])
-    kept.insert(slot, placeholder)
+    kept.insert(slot, cst.SimpleStatementLine([cst.Expr(cst.Name(_PLACEHOLDER))]))
     new = base.with_changes(body=kept)
     if replaced:
         new, dropped = _drop_orphaned_imports(base, new)
@@ -302,14 +295,16 @@ def patch_utils(module: cst.Module, tpl: Template, strategy: str, rel: str = "",
     if info and info.get("added-imports"):
         before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")]
         added = before + [a for a in added if a not in before]
-    body = list(new.body)
-    at = next(i for i, s in enumerate(body) if s is placeholder)
-    body[at : at + 1] = _block_statements(new, tpl, make_marker(tpl.version, strategy, added, replaced), defs)
-    new = new.with_changes(body=body)
+    marker = make_marker(tpl.version, strategy, added, replaced)
+    code = _with_block(new, block_text(tpl, defs, marker, new.default_indent, new.default_newline))
+    try:
+        out = code.encode(module.encoding)
+    except UnicodeEncodeError as e:
+        raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
     if info and (info.get("template") != f"v{tpl.version}" or info.get("strategy") != strategy):
         notes.insert(0, f"upgraded dsfix's block from template {info.get('template')} strategy "
                         f"{info.get('strategy')} to v{tpl.version} strategy {strategy}")
-    return Result(new, notes, original=module, defs=defs)
+    return UtilsResult(out, notes if out != data else [], defs)
 
 
 def _block_predecessor(module: cst.Module):
@@ -331,7 +326,7 @@ def _drop_orphaned_imports(before: cst.Module, after: cst.Module) -> tuple:
         if small is not None and not isinstance(small.names, cst.ImportStar):
             for alias in small.names:
                 bound[_bound_name(alias)] = alias
-    used_before, used_after = _name_uses(before, bound), _name_uses(after, bound)
+    used_before, used_after = calls.module_reads(before.code, bound), calls.module_reads(after.code, bound)
     orphans = {n for n in bound if used_before[n] > 0 and used_after[n] == 0}
     if not orphans:
         return after, []
@@ -354,11 +349,11 @@ def _drop_orphaned_imports(before: cst.Module, after: cst.Module) -> tuple:
     return after.with_changes(body=body), sorted(dropped)
 
 
-def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> Result:
+def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> cst.Module:
     """Remove dsfix's block and the imports it added (as recorded in its marker line)."""
     info = find_marker(module)
     if info is None:
-        return Result(module, [])
+        return module
     if info.get("replaced") and not keep_replaced:
         raise DsfixError(
             f"dsfix replaced a hand-written {info['replaced']} here; its text is kept only in the state folder, "
@@ -369,22 +364,20 @@ def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> Result:
     for tok in (info.get("added-imports") or "").split(","):
         if tok:
             body = _remove_import(body, ImportSpec.from_token(tok))
-    new = module.with_changes(body=body)
-    return Result(new, ["removed dsfix's save_hf_format_safetensors block"], original=module)
+    return module.with_changes(body=body)
 
 
 # ----------------------------------------------------------------------------- main.py
 
 
-def _realign(original: cst.Call, call: cst.Call, position, delta: int) -> cst.Call:
+def _realign(call: cst.Call, found, delta: int) -> cst.Call:
     """Keep arguments that were aligned under the opening parenthesis aligned after a rename."""
-    paren_col = position(original.func).end.column
 
-    def shift(ws, next_node):
+    def shift(ws, nxt):
         if (
             isinstance(ws, cst.ParenthesizedWhitespace)
-            and next_node is not None
-            and position(next_node).start.column == paren_col + 1
+            and nxt is not None
+            and nxt.col == found.paren_col + 1
             and len(ws.last_line.value) + delta >= 0
         ):
             return ws.with_changes(last_line=cst.SimpleWhitespace(" " * (len(ws.last_line.value) + delta)))
@@ -392,82 +385,77 @@ def _realign(original: cst.Call, call: cst.Call, position, delta: int) -> cst.Ca
 
     args = []
     for i, arg in enumerate(call.args):
-        nxt = original.args[i + 1] if i + 1 < len(original.args) else None
+        nxt = found.args[i + 1] if i + 1 < len(found.args) else None
         if isinstance(arg.comma, cst.Comma):
             arg = arg.with_changes(comma=arg.comma.with_changes(whitespace_after=shift(arg.comma.whitespace_after, nxt)))
         args.append(arg)
-    first = original.args[0] if original.args else None
+    first = found.args[0] if found.args else None
     return call.with_changes(args=args, whitespace_before_args=shift(call.whitespace_before_args, first))
 
 
-class _Renamer(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (QualifiedNameProvider, ScopeProvider, PositionProvider)
+def _callee(func) -> str | None:
+    if isinstance(func, cst.Name):
+        return func.value
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    return None
 
-    def __init__(self, mapping: dict, modules: tuple, observe: dict = None):
+
+class _MainEditor(cst.CSTTransformer):
+    """A libcst pass over main.py, or over one statement of it: rename the calls found by patcher.calls
+    (matched to libcst's nodes by their place among the candidate calls, in source order, from ``first``),
+    and edit the import lists."""
+
+    def __init__(self, found: calls.ScriptCalls, renames: dict, imports: "_ImportEditor", first: int = 0):
         super().__init__()
-        self.mapping = mapping
-        self.qualified = {f"{m}.{old}": old for m in modules for old in mapping}
-        self.observed = {f"{m}.{name}": name for m in modules for name in (observe or {})}
-        self.renamed_calls = []  # (old, how) for notes
-        self.calls = []  # (name called, call node, line): every call renamed, and every call of an observed name
+        self.callees = set(found.candidates)
+        self.renames = renames  # candidate index -> (SaveCall, new name)
+        self.imports = imports
+        self.first = first
+        self.index = {}  # id(original Call) -> candidate index
+        self.seen = []
 
-    def _match(self, node, table) -> str | None:
-        for q in self.get_metadata(QualifiedNameProvider, node, set()):
-            if q.name in table:
-                return table[q.name]
-        return None
+    def visit_Call(self, node: cst.Call) -> None:
+        callee = _callee(node.func)
+        if callee in self.callees:
+            self.index[id(node)] = self.first + len(self.seen)
+            self.seen.append(callee)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        old = self._match(original.func, self.qualified)
-        if old is None:
-            seen = self._match(original.func, self.observed) if self.observed else None
-            if seen is not None:
-                self.calls.append((seen, original, self.get_metadata(PositionProvider, original).start.line))
+        at = self.index.get(id(original))
+        if at is None or at not in self.renames:
             return updated
-        self.calls.append((old, original, self.get_metadata(PositionProvider, original).start.line))
+        found, new = self.renames[at]
         func = updated.func
+        old = _callee(func)
         if isinstance(func, cst.Name):
-            if func.value != old:  # called through an alias: the import is renamed instead
-                self.renamed_calls.append((old, func.value))
-                return updated
-            self.renamed_calls.append((old, old))
-            new = updated.with_changes(func=func.with_changes(value=self.mapping[old]))
-        elif isinstance(func, cst.Attribute) and func.attr.value == old:
-            self.renamed_calls.append((old, dotted(func) if _is_dotted(func) else old))
-            new = updated.with_changes(func=func.with_changes(attr=cst.Name(self.mapping[old])))
+            updated = updated.with_changes(func=func.with_changes(value=new))
         else:
-            return updated
-        position = lambda node: self.get_metadata(PositionProvider, node)  # noqa: E731
-        return _realign(original, new, position, len(self.mapping[old]) - len(old))
+            updated = updated.with_changes(func=func.with_changes(attr=cst.Name(new)))
+        return _realign(updated, found, len(new) - len(old))
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom):
+        return self.imports.edit(updated)
 
 
-def _is_dotted(node) -> bool:
-    try:
-        dotted(node)
-        return True
-    except TypeError:
-        return False
-
-
-class _ImportEditor(cst.CSTTransformer):
+class _ImportEditor:
     """Rename (or add beside, or drop) the imported names after the calls were rewritten."""
 
     def __init__(self, mapping, modules, touched: set, still_used: set, needed: set, imported: set):
-        super().__init__()
         self.mapping = mapping
         self.modules = modules
         self.touched = touched  # old names some call was rewritten for
-        self.still_used = still_used  # old names still referenced after the call rewrite
-        self.needed = needed  # new names now referenced bare (so they must be imported)
-        self.imported = imported  # names already imported from the utils module
+        self.still_used = still_used  # old names still read after the call rewrite
+        self.needed = needed  # new names read bare after the rewrite (so they must be imported)
+        self.imported = imported  # names already imported (without an alias) from the utils module
         self.notes = []
 
-    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom):
-        if updated.relative or updated.module is None or isinstance(updated.names, cst.ImportStar):
-            return updated
-        if dotted(updated.module) not in self.modules:
-            return updated
-        names = list(updated.names)
+    def edit(self, node: cst.ImportFrom) -> cst.ImportFrom:
+        if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+            return node
+        if dotted(node.module) not in self.modules:
+            return node
+        names = list(node.names)
         k = 0
         while k < len(names):
             alias = names[k]
@@ -497,60 +485,69 @@ class _ImportEditor(cst.CSTTransformer):
                 self.imported.add(new)
                 self.notes.append(f"import {old} -> import {new}")
             k += 1
-        return updated.with_changes(names=names)
+        return node.with_changes(names=names)
 
 
-def _imported_from(module: cst.Module, modules) -> set:
-    found = set()
-
-    class V(cst.CSTVisitor):
-        def visit_ImportFrom(self, node):
-            if node.module is not None and not node.relative and not isinstance(node.names, cst.ImportStar):
-                if dotted(node.module) in modules:
-                    found.update(_alias_name(a) for a in node.names if a.asname is None)
-
-    module.visit(V())
-    return found
+TRACKED = tuple(RENAMES) + tuple(NEW_NAMES)
 
 
-def _name_uses(module: cst.Module, names) -> dict:
-    """How many times each name is read in the module (outside import statements)."""
-    return _count_uses(MetadataWrapper(module, unsafe_skip_copy=True).resolve(ScopeProvider), names)
+def find_save_calls(data: bytes, modules: tuple, rel: str = "main.py") -> tuple:
+    """(decoded text, calls.ScriptCalls) for a script."""
+    tree, decoded = calls.parse_script(data, rel)
+    return decoded, calls.find_calls(tree, decoded.text, modules, TRACKED)
 
 
-def _count_uses(scopes, names) -> dict:
-    counts = {n: 0 for n in names}
-    for scope in set(scopes.values()):
-        if scope is None:
-            continue
-        for access in scope.accesses:
-            if isinstance(access.node, cst.Name) and access.node.value in counts:
-                counts[access.node.value] += 1
-    return counts
+def _edit(text: str, found: calls.ScriptCalls, renames: dict, imports: "_ImportEditor", newline: str) -> str:
+    """Run the editor over each statement to edit, each parsed by libcst on its own, and splice the results
+    back into ``text``: every other character stays as it was. A statement whose text is not a module by
+    itself (an if/for/def holding a call in its header) makes libcst parse the whole file instead."""
+    if any(site.compound for site in found.sites):
+        editor = _MainEditor(found, renames, imports)
+        module = cst.parse_module(text, config=cst.PartialParserConfig(default_newline=newline))
+        new = module.visit(editor).code
+        _check_matched(editor.seen, found.candidates)
+        return new
+    out, at = [], 0
+    config = cst.PartialParserConfig(default_newline=newline)
+    for site in found.sites:
+        editor = _MainEditor(found, renames, imports, first=site.first)
+        snippet = cst.parse_module(text[site.start:site.end], config=config)
+        out += [text[at:site.start], snippet.visit(editor).code]
+        at = site.end
+        _check_matched(editor.seen, found.candidates[site.first:site.first + site.count])
+    return "".join(out) + text[at:]
 
 
-def rename_calls(module: cst.Module, mapping: dict, modules: tuple, observe: dict = None) -> tuple:
-    """(Result, calls): the module with the calls renamed and its imports edited, and every call renamed or
-    of an ``observe``d name as (name, call node, line)."""
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    renamer = _Renamer(mapping, modules, observe)
-    renamed = wrapper.visit(renamer)
-    if not renamer.renamed_calls:
-        return Result(module, []), renamer.calls
-    # name reads after the rewrite, from the scope analysis the rewrite already ran: each bare call renamed
-    # moves one read from the old name to the new one
-    uses = _count_uses(wrapper.resolve(ScopeProvider), list(mapping) + list(mapping.values()))
-    for old, how in renamer.renamed_calls:
-        if how == old:
-            uses[old] -= 1
-            uses[mapping[old]] += 1
-    still_used = {old for old in mapping if uses[old] > 0}
-    needed = {new for new in mapping.values() if uses[new] > 0}
-    touched = {old for old, _how in renamer.renamed_calls}
-    editor = _ImportEditor(mapping, modules, touched, still_used, needed, _imported_from(renamed, modules))
-    new = renamed.visit(editor)
-    notes = [_call_note(old, how, mapping[old]) for old, how in renamer.renamed_calls]
-    return Result(new, _dedupe(notes) + editor.notes, original=module), renamer.calls
+def _check_matched(seen: list, expected: list) -> None:
+    if seen != expected:  # pragma: no cover - ast and libcst disagree: a dsfix bug, caught before writing
+        raise DsfixError("dsfix could not match the calls it found with ast to libcst's nodes")
+
+
+def _newline(text: str) -> str:
+    m = re.search(r"\r\n|\r|\n", text)
+    return m.group(0) if m else "\n"
+
+
+def rename_calls(decoded: calls.Decoded, found: calls.ScriptCalls, mapping: dict, modules: tuple) -> Result:
+    """The script's bytes with every call of a ``mapping`` key renamed, and its imports edited to match."""
+    mine = [c for c in found.calls if c.name in mapping]
+    aliased = [c for c in mine if _aliased(c)]
+    renames = {c.index: (c, mapping[c.name]) for c in mine if not _aliased(c)}
+    if not mine:
+        return Result(None, [])
+    uses = dict(found.reads)
+    for c, _new in renames.values():
+        if c.how == c.name:  # a bare call renamed: one read moves from the old name to the new one
+            uses[c.name] = uses.get(c.name, 0) - 1
+            uses[mapping[c.name]] = uses.get(mapping[c.name], 0) + 1
+    still_used = {old for old in mapping if uses.get(old, 0) > 0}
+    needed = {new for new in mapping.values() if uses.get(new, 0) > 0}
+    touched = {c.name for c in mine}
+    imported = {bound for bound, q in found.imported.items() if q.rsplit(".", 1)[1] == bound}
+    imports = _ImportEditor(mapping, modules, touched, still_used, needed, imported)
+    text = _edit(decoded.text, found, renames, imports, _newline(decoded.text))
+    notes = [_call_note(c.name, c.how, mapping[c.name]) for c in mine]
+    return Result(text.encode(decoded.encoding), _dedupe(notes) + imports.notes)
 
 
 def _call_note(old: str, how: str, new: str) -> str:
@@ -570,75 +567,57 @@ def _dedupe(items):
     return out
 
 
-def patch_main(module: cst.Module, modules: tuple, defs: dict) -> Result:
+def _aliased(c: calls.SaveCall) -> bool:
+    """Called through an import alias (``save_z3(...)``): the import is renamed, not the call."""
+    return "." not in c.how and c.how != c.name
+
+
+def patch_main(data: bytes, modules: tuple, defs: dict, rel: str = "main.py") -> Result:
     """Rename the save calls, after checking that each one binds to dsfix's function as it bound to the
     checkout's own (``defs``: old name -> signature.SaveDef, from patch_utils)."""
-    res, calls = rename_calls(module, RENAMES, modules, observe=NEW_NAMES)
-    if not calls:
+    decoded, found = find_save_calls(data, modules, rel)
+    if not found.calls:
         raise DsfixError("has no call of save_hf_format imported from the checkout's utils.py to rewrite")
-    for name, call, line in calls:
-        old = NEW_NAMES.get(name, name)
-        check_binding(defs[old], call, line)
-    res.warnings = unconfigured_saves(module, calls)
+    for c in found.calls:
+        check_binding(defs[NEW_NAMES.get(c.name, c.name)], c)
+    res = rename_calls(decoded, found, RENAMES, modules)
+    res.warnings = unconfigured_saves(found.calls)
     return res
 
 
-def unconfigured_saves(module: cst.Module, calls: list) -> list:
+def unconfigured_saves(found: list) -> list:
     """Warnings for ZeRO-3 save calls with no save_hf_format call in the same function or loop body: that
     output gets weights but no config.json or tokenizer."""
-    z3 = {id(c): line for name, c, line in calls if NEW_NAMES.get(name, name) == "save_zero_three_model"}
-    hf = {id(c) for name, c, _ in calls if NEW_NAMES.get(name, name) == "save_hf_format"}
-    if not z3:
-        return []
-    inner, with_hf = {}, set()
-
-    class V(cst.CSTVisitor):
-        def __init__(self):
-            self.stack = [module]
-
-        def _push(self, node):
-            self.stack.append(node)
-
-        def _pop(self, node):
-            self.stack.pop()
-
-        visit_FunctionDef = visit_For = visit_While = _push
-        leave_FunctionDef = leave_For = leave_While = _pop
-
-        def visit_Call(self, node):
-            if id(node) in z3:
-                inner[id(node)] = id(self.stack[-1])
-            if id(node) in hf:
-                with_hf.update(id(r) for r in self.stack)
-
-    module.visit(V())
-    return [f"{line}: this save_zero_three_model call has no save_hf_format call beside it (same function or loop), "
-            "so that output gets no config.json or tokenizer" for key, line in sorted(z3.items(), key=lambda kv: kv[1])
-            if inner.get(key) not in with_hf]
+    with_hf = set()
+    for c in found:
+        if NEW_NAMES.get(c.name, c.name) == "save_hf_format":
+            with_hf.update(c.containers)
+    return [f"{c.line}: this save_zero_three_model call has no save_hf_format call beside it (same function or loop), "
+            "so that output gets no config.json or tokenizer" for c in found
+            if NEW_NAMES.get(c.name, c.name) == "save_zero_three_model" and c.containers[-1] not in with_hf]
 
 
-def check_binding(sd, call: cst.Call, line: int) -> None:
+def check_binding(sd, call: calls.SaveCall) -> None:
     """The call must bind to dsfix's function, each argument to the parameter of the same name (and so the
     same meaning) that it reaches in the checkout's own function."""
     new = RENAMES[sd.name]
     ours = signature.params_of(sd.header(new) + "\n    pass\n")
-    shown = signature.code(call.func)
     try:
-        before = signature.bind(sd.params, call)
+        before = signature.bind(sd.params, call.args)
     except ValueError as e:
-        raise DsfixError(f"{shown}(...) does not bind to the checkout's own {sd.name}: it {e}; it would raise "
-                         "TypeError already, and dsfix will not rewrite it", line=line) from None
+        raise DsfixError(f"{call.how}(...) does not bind to the checkout's own {sd.name}: it {e}; it would raise "
+                         "TypeError already, and dsfix will not rewrite it", line=call.line) from None
     try:
-        after = signature.bind(ours, call)
+        after = signature.bind(ours, call.args)
     except ValueError as e:  # pragma: no cover - the parameters are copied, so this is a dsfix bug
-        raise DsfixError(f"{shown}(...) would not bind to {new}: it {e}", line=line) from None
+        raise DsfixError(f"{call.how}(...) would not bind to {new}: it {e}", line=call.line) from None
     if before != after:  # pragma: no cover - likewise
-        raise DsfixError(f"{shown}(...) would pass its arguments to other parameters of {new}", line=line)
+        raise DsfixError(f"{call.how}(...) would pass its arguments to other parameters of {new}", line=call.line)
 
 
-def unpatch_main(module: cst.Module, modules: tuple) -> Result:
-    return rename_calls(module, NEW_NAMES, modules)[0]
+def unpatch_main(data: bytes, modules: tuple, rel: str = "main.py") -> Result:
+    return rename_calls(*find_save_calls(data, modules, rel), NEW_NAMES, modules)
 
 
-def main_is_patched(module: cst.Module, modules: tuple) -> bool:
-    return bool(rename_calls(module, {}, modules, observe=NEW_NAMES)[1])
+def main_is_patched(data: bytes, modules: tuple, rel: str = "main.py") -> bool:
+    return any(c.name in NEW_NAMES for c in find_save_calls(data, modules, rel)[1].calls)

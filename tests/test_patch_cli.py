@@ -139,15 +139,20 @@ def test_step2_needs_asking_and_warns_about_step3(tmp_path):
     co = copy_fixture("package", tmp_path)
     code, diff, _ = cli("check", co)
     assert b"step2_reward_model_finetuning" not in diff
-    p = run("check", co, "--step", "1", "--step", "2")
+    p = run("check", co, "--steps", "1,2")
     assert p.returncode == 1 and b"step2_reward_model_finetuning/main.py" in p.stdout
+    assert b"step1_supervised_finetuning/main.py" in p.stdout
     assert b"pytorch_model.bin" in p.stderr and b"step 3" in p.stderr
-    p = run("apply", co, "--step", "1", "--step", "2")
+    p = run("check", co, "--steps", "2")  # step 1 is patched only when listed
+    assert b"step2_reward_model_finetuning/main.py" in p.stdout and b"step1_supervised" not in p.stdout
+    p = run("apply", co, "--steps", "1,2")
     assert p.returncode == 0
     p = run("revert", co)
     assert p.returncode == 0
     assert snapshot(co) == snapshot(FIXTURES / "package")
-    assert run("check", co, "--step", "4").returncode == 2
+    for bad in ("4", "1,x", ""):
+        p = run("check", co, "--steps", bad)
+        assert p.returncode == 2 and p.stderr.count(b"\n") == 1 and b"--steps" in p.stderr
 
 
 def test_main_py_forms_seen_in_forks(tmp_path):

@@ -187,7 +187,7 @@ def test_state_folder_that_cannot_be_written(tmp_path, monkeypatch):
     real = os.replace
 
     def full(src, dst):
-        if "/.dsfix/" in str(dst):
+        if os.fspath(dst).endswith(".dsfix"):  # swapping the new state folder in
             raise OSError(28, "No space left on device")
         return real(src, dst)
 
@@ -195,6 +195,32 @@ def test_state_folder_that_cannot_be_written(tmp_path, monkeypatch):
     code, _, err = cli("apply", co)
     assert code == 2
     assert snapshot(co) == before
+
+
+def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkeypatch):
+    """apply --strategy dedupe, then an apply (clone) whose write of utils.py fails: nothing changes, the
+    state folder included, and revert still restores the original."""
+    from patcher import state
+
+    co = copy_fixture("package", tmp_path)
+    original = snapshot(co)
+    assert cli("apply", co, "--strategy", "dedupe")[0] == 0
+    before = snapshot(co)
+    real = os.replace
+
+    def failing(src, dst):
+        if os.fspath(dst).endswith("utils.py") and "/.dsfix" not in os.fspath(dst):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(state.os, "replace", failing)
+    code, _, err = cli("apply", co)
+    assert code == 2 and "No space left on device" in err
+    assert snapshot(co) == before, "targets and state folder as they were"
+    monkeypatch.setattr(state.os, "replace", real)
+    code, _, err = cli("revert", co)
+    assert code == 0, err
+    assert snapshot(co) == original
 
 
 def test_interrupt_mid_apply_rolls_back(tmp_path, monkeypatch):
@@ -230,7 +256,7 @@ KILLER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("kill_at", ["utils.py", "main.py", "state.json"])
+@pytest.mark.parametrize("kill_at", ["utils.py", "main.py", ".dsfix"])
 def test_killed_mid_apply_each_file_is_wholly_old_or_new_and_apply_recovers(tmp_path, kill_at):
     co = copy_fixture("package", tmp_path / "co")
     ref = copy_fixture("package", tmp_path / "ref")
@@ -243,8 +269,15 @@ def test_killed_mid_apply_each_file_is_wholly_old_or_new_and_apply_recovers(tmp_
     assert p.returncode == -9
     for rel in (UTILS, MAIN):
         assert (co / rel).read_bytes() in (original[rel], patched[rel]), rel
-    assert not [p for p in co.rglob("*.dsfix-tmp") if ".dsfix/" not in p.as_posix()] or True  # a killed run may leave a temp file beside, never a torn target
+    # no torn target: every file is as the fixture has it or as apply writes it; a killed run may leave only
+    # its own temporary files (".NAME.PID.dsfix-tmp") and a state folder aside, which the next run clears
+    now = snapshot(co)
+    leftovers = {rel for rel in now if rel not in original and not rel.startswith(".dsfix")}
+    assert all(re.fullmatch(r"(.*/)?\.[^/]+\.\d+\.dsfix-tmp", rel) for rel in leftovers), leftovers
+    for rel in original:
+        assert now[rel] in (original[rel], patched[rel]), rel
     assert run("apply", co).returncode == 0
+    assert not [rel for rel in snapshot(co) if rel.endswith(".dsfix-tmp") or rel.startswith(".dsfix.")]
     for rel in (UTILS, MAIN):
         assert (co / rel).read_bytes() == patched[rel]
     assert run("revert", co).returncode == 0

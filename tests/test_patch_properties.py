@@ -17,7 +17,8 @@ from patchkit import FIXTURES, pyflakes_messages
 from patcher import plan as planner
 from patcher import signature, transforms
 from patcher.errors import DsfixError
-from patcher.template import load_template
+from patcher.plan import Target
+from patcher.template import load_template, parse_template
 
 MOD = "dschat.utils.utils"
 # DSFIX_FUZZ_SCALE=10 runs ten times as many examples (the CI default keeps the suite quick).
@@ -87,17 +88,52 @@ def main_sources(draw):
 
 UPSTREAM_DEFS = {name: signature.default_def(name) for name in signature.RENAMES}
 
+# A stand-in for templates/save_safetensors.py with the same shape (imports, constants, the two public
+# functions, their core functions) at a fraction of the size, so that each generated example stays cheap.
+# test_generated_utils_py_forms_with_the_real_template covers the real one.
+STAND_IN = '''"""Stand-in template."""
+import json
+import os
+import sys
+
+import torch
+from safetensors import safe_open
+
+_DSFIX_TEMPLATE_VERSION = 2
+_DSFIX_STRATEGY = "clone"
+
+
+def save_hf_format_safetensors(model, tokenizer, args, sub_folder="", *, max_shard_size=None, strategy=None):
+    """Stand-in."""
+    output_dir = os.path.join(args.output_dir, sub_folder)
+    _dsfix_save_hf_format(model, tokenizer, output_dir, max_shard_size=max_shard_size, strategy=strategy)
+
+
+def save_zero_three_model_safetensors(model_ema, global_rank, save_dir, zero_stage=0, *, max_shard_size=None, strategy=None):
+    """Stand-in."""
+    _dsfix_save_zero_three_model(model_ema, save_dir, global_rank=global_rank, zero_stage=zero_stage, max_shard_size=max_shard_size, strategy=strategy)
+
+
+def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_shard_size=None, strategy=None):
+    return json.dumps([sys.byteorder, str(torch), str(safe_open), output_dir, global_rank, max_shard_size, strategy])
+
+
+def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3, tokenizer=None,
+                                 max_shard_size=None, strategy=None):
+    return _dsfix_save_hf_format(model, tokenizer, save_dir, global_rank, max_shard_size, strategy)
+'''
+TEMPLATES = {strategy: parse_template(STAND_IN, strategy) for strategy in ("clone", "dedupe")}
+
 
 def _roundtrip_main(src: bytes):
-    mod = cst.parse_module(src)
-    res = transforms.patch_main(mod, (MOD, "utils.utils"), UPSTREAM_DEFS)
-    new = res.module.bytes
+    res = transforms.patch_main(src, (MOD, "utils.utils"), UPSTREAM_DEFS)
+    new = res.new
     compile(new, "main.py", "exec")
-    again = transforms.patch_main(cst.parse_module(new), (MOD, "utils.utils"), UPSTREAM_DEFS)
-    assert not again.changed, "a second patch changes nothing"
+    again = transforms.patch_main(new, (MOD, "utils.utils"), UPSTREAM_DEFS)
+    assert again.new is None or again.new == new, "a second patch changes nothing"
     assert b"save_hf_format_safetensors" in new
     assert pyflakes_messages(new) <= pyflakes_messages(src), (pyflakes_messages(new) - pyflakes_messages(src))
-    back = transforms.unpatch_main(cst.parse_module(new), (MOD, "utils.utils")).module.bytes
+    back = transforms.unpatch_main(new, (MOD, "utils.utils")).new
     assert back == src
     return new
 
@@ -118,12 +154,12 @@ def utils_sources(draw):
         "from safetensors import safe_open", "from safetensors.torch import load_file", "import sys",
         "import json", "try:\n    import sys\nexcept ImportError:\n    sys = None",
     ]), unique=True, max_size=3))
-    for imp in extra_imports:
+    for k, imp in enumerate(extra_imports):
         text = text.replace("import deepspeed\n", f"import deepspeed\n{imp}\n", 1)
         name = imp.split()[-1]
         if "sys = None" in imp:
             name = "sys"
-        text += f"\n\ndef _uses_{abs(hash(imp)) % 1000}():\n    return {name}\n"
+        text += f"\n\ndef _uses_{k}():\n    return {name}\n"
     if draw(st.booleans()):
         text = text.replace("\n\ndef set_random_seed", "\n\n# a comment between functions\ndef set_random_seed", 1)
     if draw(st.booleans()):  # save_hf_format as the last function
@@ -140,17 +176,25 @@ def utils_sources(draw):
     return text.encode()
 
 
+def _roundtrip_utils(src: bytes, tpl, strategy: str):
+    new = transforms.patch_utils(src, cst.parse_module(src), tpl, strategy).new
+    compile(new, "utils.py", "exec")
+    assert new.count(b"def save_hf_format_safetensors(") == 1
+    assert transforms.patch_utils(new, cst.parse_module(new), tpl, strategy).new == new, "a second patch changes nothing"
+    assert pyflakes_messages(new) <= pyflakes_messages(src), pyflakes_messages(new) - pyflakes_messages(src)
+    assert transforms.unpatch_utils(cst.parse_module(new)).bytes == src
+
+
 @SETTINGS
 @given(utils_sources(), st.sampled_from(["clone", "dedupe"]))
 def test_generated_utils_py_forms(src, strategy):
-    tpl = load_template(strategy)
-    res = transforms.patch_utils(cst.parse_module(src), tpl, strategy)
-    new = res.module.bytes
-    compile(new, "utils.py", "exec")
-    assert new.count(b"def save_hf_format_safetensors(") == 1
-    assert not transforms.patch_utils(cst.parse_module(new), tpl, strategy).changed
-    assert pyflakes_messages(new) <= pyflakes_messages(src), pyflakes_messages(new) - pyflakes_messages(src)
-    assert transforms.unpatch_utils(cst.parse_module(new)).module.bytes == src
+    _roundtrip_utils(src, TEMPLATES[strategy], strategy)
+
+
+@settings(max_examples=int(15 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(utils_sources(), st.sampled_from(["clone", "dedupe"]))
+def test_generated_utils_py_forms_with_the_real_template(src, strategy):
+    _roundtrip_utils(src, load_template(strategy), strategy)
 
 
 MAIN_BASE = (FIXTURES / "package" / "training/step1_supervised_finetuning/main.py").read_bytes()
@@ -173,16 +217,19 @@ def corrupted(draw):
     return role, data
 
 
+def _targets(role: str, data: bytes) -> list:
+    if role == "utils":
+        return [Target("f.py", "utils", data)]
+    return [Target("utils.py", "utils", UTILS_BASE), Target("f.py", "step1", data, (MOD,))]
+
+
 @settings(max_examples=int(400 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(corrupted())
 def test_corrupted_inputs_are_patched_validly_or_refused_cleanly(case):
     role, data = case
-    tpl = load_template("clone")
-    roles = {"f.py": "utils"} if role == "utils" else {"utils.py": "utils", "f.py": "step1"}
-    files = {"f.py": data, "utils.py": UTILS_BASE}
-    modules = {"f.py": (MOD,)}
+    tpl = TEMPLATES["clone"]
     try:
-        plan = planner.make_plan(files, roles, tpl, "clone", modules)
+        plan = planner.plan_apply(_targets(role, data), tpl, "clone", verify=True)
     except DsfixError as e:
         assert e.path == "f.py" and e.code == 2 and str(e)
         return
@@ -190,6 +237,6 @@ def test_corrupted_inputs_are_patched_validly_or_refused_cleanly(case):
     if not change.changed:
         return
     compile(change.new, "f.py", "exec")
-    again = planner.make_plan({**files, "f.py": change.new}, roles, tpl, "clone", modules)
+    again = planner.plan_apply(_targets(role, change.new), tpl, "clone")
     assert not next(c for c in again.changes if c.rel == "f.py").changed
-    assert planner.unpatch(change.new, "f.py", roles["f.py"], (MOD,)) == data
+    assert planner.unpatch(change.new, "f.py", "utils" if role == "utils" else "step1", (MOD,)) == data
