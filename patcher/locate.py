@@ -3,6 +3,8 @@ really imports (resolved by file, see patcher.resolve), the way git finds .git."
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,16 +104,63 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
     if start.is_file():
         start = start.parent
     main_path = _given(main, "--main") if main is not None else None
+    script_paths = [_given(s, "--script") for s in scripts]
+    notes = []
+    if main_path is None:
+        remembered = _remembered(start)
+        if remembered is not None:  # an earlier apply named the scripts: use them again
+            root, main_path, recorded = remembered
+            return _checkout_at(root, main_path, script_paths or recorded)
     root = _chat_root(start)
     if main_path is not None and (root is None or not main_path.is_relative_to(root)):
         root = start if main_path.is_relative_to(start) else main_path.parent
+    if root is None:
+        below = _chat_roots_below(start)
+        if len(below) == 1:
+            root = below[0]
+            notes.append(f"found the DeepSpeed-Chat folder at {os.path.relpath(root, start)}")
+        elif below:
+            shown = ", ".join(os.path.relpath(p, start) for p in below[:6])
+            raise DsfixError(f"several DeepSpeed-Chat folders below {repo} ({shown}); run dsfix on one of them")
     if root is None:
         raise DsfixError(
             f"no DeepSpeed-Chat checkout at or above {repo}: looked for {STEP_MAIN[1]} with "
             f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, also under {CHAT_SUBDIR}/"
             + _suggest(start)
         )
-    return _checkout_at(root, main_path, [_given(s, "--script") for s in scripts])
+    co = _checkout_at(root, main_path, script_paths)
+    return dataclasses.replace(co, notes=(*notes, *co.notes)) if notes else co
+
+
+def _remembered(start: Path):
+    """(root, step-1 script, further scripts) as an earlier apply recorded them in a state folder at or above
+    ``start``, when that script still exists; else None."""
+    root = find_state_root(start)
+    if root is None:
+        return None
+    try:
+        data = json.loads((root / ".dsfix" / "state.json").read_text("utf-8"))
+        main = root / data["main"]
+        scripts = [root / s for s in data.get("scripts", ())]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not main.is_file() or main == root / STEP_MAIN[1]:
+        return None
+    return root, main, [s for s in scripts if s.is_file()]
+
+
+def _chat_roots_below(start: Path, depth: int = 4) -> list:
+    """DeepSpeed-Chat folders under ``start`` (a repository that keeps its copy a few folders down)."""
+    found, base = [], len(start.parts)
+    for d, dirs, _files in os.walk(start):
+        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
+        path = Path(d)
+        if path != start and _is_chat_root(path) and (path / STEP_MAIN[1]).is_file():
+            found.append(path)
+            dirs[:] = []
+        if len(path.parts) - base >= depth:
+            dirs[:] = []
+    return found
 
 
 def find_state_root(repo: str | os.PathLike = ".") -> Path | None:

@@ -104,8 +104,9 @@ def apply(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) 
     with st.lock(co.root):
         st.recover(co.root)
         saved = st.load(co.root)
-        plan = planner.plan_apply(_targets(co, steps), load_template(strategy), strategy, saved,
-                                  verify=True)
+        scripts = tuple(co.rel(p) for p in (co.step_mains[1], *co.scripts))
+        plan = planner.plan_apply(_targets(co, steps), load_template(strategy), strategy, saved, verify=True,
+                                  scripts=scripts)
         out = _report("apply", co, plan, Status.CHANGED)
         if not plan.pending:
             out.message = "nothing to do: already patched"

@@ -61,6 +61,8 @@ class Saved:
 
     entries: dict  # rel -> {"role", "original_sha256", "patched_sha256", "modules", "template", "strategy"}
     blobs: dict  # (rel, "original" | "patched") -> bytes
+    main: str | None = None  # the step-1 script and the further ones patched, so that later runs need no
+    scripts: tuple = ()  # --main or --script again
 
     def blob(self, rel: str, kind: str) -> bytes:
         return self.blobs[(rel, kind)]
@@ -168,8 +170,9 @@ def patch_file(target: Target, tpl: Template, strategy: str, defs: dict | None =
 
 
 def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None = None,
-               verify: bool = False) -> ApplyPlan:
-    """``targets``: utils.py first, then the scripts. ``verify``: compile every new text and parse it back
+               verify: bool = False, scripts: tuple = ()) -> ApplyPlan:
+    """``targets``: utils.py first, then the scripts; ``scripts``: (step-1 script, further ones) to record.
+    ``verify``: compile every new text and parse it back
     with libcst (apply does; check, which writes nothing, shows the diff without)."""
     changes, warnings, defs = [], [], None
     for t in targets:
@@ -198,7 +201,7 @@ def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None 
                               "template": tpl.version, "strategy": strategy, "modules": list(by_rel[c.rel].modules)}
             blobs[(c.rel, "original")] = original
             blobs[(c.rel, "patched")] = c.new
-        state = Saved(entries, blobs)
+        state = Saved(entries, blobs, scripts[0] if scripts else None, tuple(scripts[1:]))
     return ApplyPlan(tuple(changes), tuple(warnings), state)
 
 

@@ -18,6 +18,7 @@ parameter means is read from the original definition:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -65,6 +66,8 @@ class SaveDef:
     passed: tuple = ()  # (core keyword, expression) pairs besides model and folder
     notes: tuple = ()
     default: bool = False  # True: the template's own (upstream's) definition
+    writes: frozenset = frozenset({"weights", "config", "tokenizer"})  # what the original saves
+    drops_lora: bool = True  # the original leaves LoRA weights out ("lora" in a key test)
 
     def header(self, new_name: str) -> str:
         taken = {p.name for p in self.params}
@@ -269,6 +272,32 @@ def _where(fn: cst.FunctionDef, rel: str, line: int) -> tuple:
     return stmts, code(folder), set(taken), at
 
 
+def _writes(fn: cst.FunctionDef) -> tuple:
+    """(what the function saves: a subset of {"weights", "config", "tokenizer"}, whether it drops LoRA keys)."""
+    out, lora = set(), False
+    for call in _calls(fn.body):
+        name = _dotted(call.func)
+        method = name.split(".")[-1] if name else (call.func.attr.value if isinstance(call.func, cst.Attribute) else "")
+        receiver = name.rsplit(".", 1)[0].lower() if "." in name else ""
+        first = code(call.args[0].value) if call.args else ""
+        if method in ("save", "save_file", "save_model", "save_checkpoint") and "args" not in first or (
+                method == "save_pretrained" and "tokenizer" not in receiver and "config" not in receiver):
+            out.add("weights")  # (torch.save(vars(args), ...) saves the options, not weights)
+        if method == "to_json_file" or (method == "save_pretrained" and "tokenizer" not in receiver):
+            out.add("config")
+        if "tokenizer" in receiver and method in ("save_vocabulary", "save_pretrained"):
+            out.add("tokenizer")
+    strings = []
+
+    class V(cst.CSTVisitor):
+        def visit_SimpleString(self, node):
+            strings.append(node.value)
+
+    fn.body.visit(V())
+    lora = any("lora" in s.lower() for s in strings)
+    return frozenset(out), lora
+
+
 def read_def(fn: cst.FunctionDef, rel: str, line: int) -> SaveDef:
     """What dsfix's replacement of ``fn`` must take, pass and copy; refuses what it cannot carry over."""
     name = fn.name.value
@@ -277,6 +306,10 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int) -> SaveDef:
     if not positional:
         raise DsfixError(f"{name} takes no positional model parameter", path=rel, line=line)
     where, folder, taken, _ = _where(fn, rel, line)
+    writes, drops_lora = _writes(fn)
+    if name == "save_hf_format" and "weights" not in writes:
+        raise DsfixError(f"{name} saves no weights (no torch.save, save_file or save_pretrained of the model in "
+                         "it): there is nothing in it for dsfix to turn into safetensors", path=rel, line=line)
     body = _body(fn)
     where_reads = set().union(*(reads(body[i]) for i in taken)) if taken else set()
     folder_node = cst.parse_expression(folder)
@@ -328,21 +361,26 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int) -> SaveDef:
     if name == "save_zero_three_model" and "global_rank" not in dict(passed):
         raise DsfixError(f"{name} takes no global_rank (or rank) parameter that it reads; dsfix needs it to tell "
                          "which rank writes", path=rel, line=line)
-    return SaveDef(name, params, line, where, folder, tuple(passed), tuple(notes))
+    return SaveDef(name, params, line, where, folder, tuple(passed), tuple(notes), writes=writes,
+                   drops_lora=drops_lora)
 
 
 def default_def(name: str) -> SaveDef:
     """Upstream's definition, for a checkout that lacks the function (its replacement is the template's)."""
     sigs = {
         "save_hf_format": "def save_hf_format(model, tokenizer, args, sub_folder=''):\n"
-                          "    output_dir = os.path.join(args.output_dir, sub_folder)\n    os.makedirs(output_dir)\n",
+                          "    output_dir = os.path.join(args.output_dir, sub_folder)\n    os.makedirs(output_dir)\n"
+                          "    sd = {k: v for k, v in model.state_dict().items() if 'lora' not in k}\n"
+                          "    torch.save(sd, os.path.join(output_dir, 'pytorch_model.bin'))\n"
+                          "    model.config.to_json_file(os.path.join(output_dir, 'config.json'))\n"
+                          "    tokenizer.save_vocabulary(output_dir)\n",
         "save_zero_three_model": "def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):\n"
                                  "    zero_stage_3 = (zero_stage == 3)\n    os.makedirs(save_dir, exist_ok=True)\n"
-                                 "    if global_rank == 0: pass\n",
+                                 "    sd = {k: v for k, v in model_ema.named_parameters() if 'lora' not in k}\n"
+                                 "    if global_rank == 0: torch.save(sd, os.path.join(save_dir, 'pytorch_model.bin'))\n",
     }
-    fn = cst.parse_statement(sigs[name])
-    d = read_def(fn, "", 0)
-    return SaveDef(d.name, d.params, 0, d.where, d.folder, d.passed, (), default=True)
+    d = read_def(cst.parse_statement(sigs[name]), "", 0)
+    return dataclasses.replace(d, line=0, notes=(), default=True)
 
 
 def find_defs(module: cst.Module, rel: str, data: bytes = b"") -> dict:

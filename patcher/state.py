@@ -105,7 +105,7 @@ def load(root: Path) -> Saved | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DsfixError(f"the state folder is damaged ({e}); move it away to revert structurally",
                          path=STATE_DIR) from None
-    return Saved(entries, blobs)
+    return Saved(entries, blobs, data.get("main"), tuple(data.get("scripts", ())))
 
 
 def _build(folder: Path, saved: Saved) -> None:
@@ -113,8 +113,8 @@ def _build(folder: Path, saved: Saved) -> None:
     files = {".gitignore": b"# written by dsfix: this folder ignores itself\n*\n"}
     for (rel, kind), data in saved.blobs.items():
         files[f"{kind}/{rel}"] = data
-    files["state.json"] = (json.dumps({"state_version": STATE_VERSION, "files": saved.entries}, indent=2,
-                                      sort_keys=True) + "\n").encode()
+    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main, "scripts": list(saved.scripts)}
+    files["state.json"] = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
     for name, data in files.items():
         p = folder / name
         p.parent.mkdir(parents=True, exist_ok=True)
