@@ -26,6 +26,37 @@ def _snapshot(root: Path) -> dict:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def show_changes(console, co: Path, out) -> None:
+    """The scripts' diffs in full (on stdout); for utils.py, a summary of dsfix's insertion."""
+    from patcher.diff import insertions, unified_diff
+    from patcher.plan import Status
+
+    for f in out.files:
+        if f.status != Status.WOULD_CHANGE:
+            continue
+        old = (co / f.rel).read_bytes()
+        new = out.new_bytes[f.rel]
+        if "utils" not in f.rel.rsplit("/", 1)[-1]:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(unified_diff(old, new, f.rel))
+            sys.stdout.buffer.flush()
+            continue
+        console.print(f"[bold]{f.rel}[/]: +{f.added} lines, nothing removed" if not f.removed else
+                      f"[bold]{f.rel}[/]: +{f.added} -{f.removed} lines")
+        for at, lines in insertions(old, new):
+            text = b"".join(lines).decode("utf-8", "replace")
+            defs = [ln.split("(")[0][4:] for ln in text.splitlines() if ln.startswith("def ")]
+            if defs:
+                public = [d for d in defs if not d.startswith("_")]
+                console.print(f"  at line {at}: dsfix's block, {len(lines)} lines: {', '.join(public)} and "
+                              f"{len(defs) - len(public)} helpers (_dsfix_*), behind a `# dsfix:` marker line",
+                              markup=False)
+            else:
+                console.print(f"  at line {at}: {' / '.join(ln.strip() for ln in text.splitlines())}", markup=False)
+        console.print("  the whole diff: `dsfix check` on a checkout (keep this one with `dsfix demo --keep DIR`)",
+                      markup=False)
+
+
 def run_demo(console, device: str = "auto", keep: Path | None = None) -> int:
     from patcher.smoke import run_smoke
 
@@ -42,19 +73,17 @@ def run_demo(console, device: str = "auto", keep: Path | None = None) -> int:
         return ok
 
     try:
-        console.rule("[bold]1/4 dsfix check[/]: the diff dsfix would make (on stdout)")
+        console.rule("[bold]1/4 dsfix check[/]: what dsfix would change")
         t0 = time.perf_counter()
         out = pipeline.check(co)
-        sys.stdout.flush()
-        sys.stdout.buffer.write(out.diff)
-        sys.stdout.buffer.flush()
+        show_changes(console, co, out)
         step("check", out.exit_code == 1, out.message, t0)
 
         console.rule("[bold]2/4 dsfix apply[/]")
         t0 = time.perf_counter()
         out = pipeline.apply(co)
         for f in out.files:
-            console.print(f"  {f.status}: {f.rel}", markup=False)
+            console.print(f"  {f.status.value}: {f.rel}", markup=False)
         again = pipeline.check(co)
         step("apply", again.exit_code == 0, f"{out.message}; check afterwards: {again.message}", t0)
 

@@ -85,3 +85,9 @@ def stat(old: bytes, new: bytes) -> tuple:
             removed += i2 - i1
             added += j2 - j1
     return added, removed
+
+
+def insertions(old: bytes, new: bytes) -> list:
+    """[(first new line number, inserted lines)] for each run of lines ``new`` adds."""
+    a, b, ops = _compare(old, new)
+    return [(j1 + 1, b[j1:j2]) for tag, i1, i2, j1, j2 in ops if tag in ("insert", "replace")]

@@ -45,6 +45,7 @@ class Outcome:
     warnings: list = field(default_factory=list)
     diff: bytes = b""
     message: str = ""
+    new_bytes: dict = field(default_factory=dict)  # check: rel -> the bytes apply would write
 
     @property
     def exit_code(self) -> int:
@@ -94,6 +95,7 @@ def check(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) 
     plan = planner.plan_apply(_targets(co, steps), load_template(strategy), strategy)
     out = _report("check", co, plan, Status.WOULD_CHANGE)
     out.diff = b"".join(unified_diff(c.old, c.new, _display_path(co.root, c.rel)) for c in plan.pending)
+    out.new_bytes = {c.rel: c.new for c in plan.pending}
     n = len(plan.pending)
     out.message = f"{_plural(n)} would change" if n else "nothing to do: already patched"
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import types
 
@@ -69,4 +70,10 @@ def test_demo_passes(tmp_path):
     p = run("demo", "--device", "cpu", "--keep", tmp_path / "demo", timeout=900)
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     assert b"demo passed" in p.stderr and b"311 tensors" in p.stderr
-    assert p.stdout.startswith(b"diff --git a/dschat/utils/utils.py")
+    # the newcomer sees main.py's diff in full on stdout, and a summary of the utils.py insertion
+    assert p.stdout.startswith(b"diff --git a/training/step1_supervised_finetuning/main.py")
+    assert b"dschat/utils/utils.py" not in p.stdout and b"+def _dsfix_" not in p.stdout
+    assert b"+            save_hf_format_safetensors(model, tokenizer, args)" in p.stdout
+    assert re.search(rb"dschat/utils/utils\.py: \+\d+ lines, nothing removed", p.stderr)
+    assert re.search(rb"at line \d+: dsfix's block, \d+ lines: save_hf_format_safetensors, "
+                     rb"save_zero_three_model_safetensors and \d+ helpers", p.stderr)
