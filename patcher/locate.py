@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.errors import DsfixError
-from patcher.resolve import SAVE_NAMES, resolve_script
+from patcher.names import SAVE_NAMES
+from patcher.resolve import resolve_script
 
 STEP_DIRS = {
     1: "training/step1_supervised_finetuning",

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from patcher.calls import Source, parse_script, statements
 from patcher.errors import DsfixError
+from patcher.names import SAVE_NAMES
 
-SAVE_NAMES = ("save_hf_format", "save_zero_three_model")
 _ANCESTORS = 4  # folders above the DeepSpeed-Chat folder searched when no .git marks the repository root
 
 

@@ -25,16 +25,9 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from patcher.errors import DsfixError
+from patcher.names import CORE, RENAMES
 from patcher.template import dotted
 
-RENAMES = {
-    "save_hf_format": "save_hf_format_safetensors",
-    "save_zero_three_model": "save_zero_three_model_safetensors",
-}
-CORE = {
-    "save_hf_format": "_dsfix_save_hf_format",
-    "save_zero_three_model": "_dsfix_save_zero_three_model",
-}
 EXTRAS = ("max_shard_size", "strategy")  # dsfix's own keyword-only options
 RANK_NAMES = ("global_rank", "rank")
 STAGE_NAMES = ("zero_stage", "stage")

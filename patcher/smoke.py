@@ -327,8 +327,7 @@ def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> Sm
             import patcher.smoke_worker as worker
 
             spec["distributed"] = False
-            with _stdout_to_stderr():
-                results, rc = [worker.run_rank(spec)], 0
+            results, rc = [worker.run_rank(spec)], 0  # run_smoke has stdout on stderr already
         timings["ranks"] = round(time.perf_counter() - t, 3)
         r0 = next((r for r in results if r.get("rank") == 0), None)
         if r0 is not None:

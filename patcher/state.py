@@ -95,6 +95,9 @@ def load(root: Path) -> Saved | None:
         return None
     try:
         data = json.loads((folder / "state.json").read_text("utf-8"))
+        if data.get("state_version", 1) > STATE_VERSION:
+            raise DsfixError(f"the state folder was written by a newer dsfix (state version {data['state_version']}); "
+                             "revert with that version", path=STATE_DIR)
         entries, blobs = data["files"], {}
         for rel, entry in entries.items():
             for kind in ("original", "patched"):

@@ -16,9 +16,9 @@ from pathlib import Path
 import libcst as cst
 
 from patcher.errors import DsfixError
+from patcher.names import PUBLIC_NAMES
 
 TEMPLATE_FILE = "save_safetensors.py"
-PUBLIC_NAMES = ("save_hf_format_safetensors", "save_zero_three_model_safetensors")
 STRATEGIES = ("clone", "dedupe")
 _STRATEGY_LINE = re.compile(r'^_DSFIX_STRATEGY = "[a-z]+"$', re.M)
 

@@ -15,10 +15,9 @@ import libcst as cst
 
 from patcher import calls, signature
 from patcher.errors import DsfixError
-from patcher.signature import RENAMES
-from patcher.template import PUBLIC_NAMES, ImportSpec, Template, _defined_name, dotted, is_dsfix_name
+from patcher.names import NEW_NAMES, PUBLIC_NAMES, RENAMES
+from patcher.template import ImportSpec, Template, _defined_name, dotted, is_dsfix_name
 
-NEW_NAMES = {new: old for old, new in RENAMES.items()}
 MARKER_PREFIX = "# dsfix:"
 MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
 
@@ -129,13 +128,18 @@ def _imports_present(module: cst.Module, spec: ImportSpec) -> bool:
             if spec.name is None and isinstance(small, cst.Import):
                 if any(_alias_name(a) == spec.module and a.asname is None for a in small.names):
                     return True
-            if spec.name is not None and isinstance(small, cst.ImportFrom) and not small.relative:
-                if small.module is not None and dotted(small.module) == spec.module and not isinstance(
-                    small.names, cst.ImportStar
-                ):
-                    if any(_alias_name(a) == spec.name and a.asname is None for a in small.names):
-                        return True
+            if spec.name is not None and _from_import(small) == spec.module:
+                if any(_alias_name(a) == spec.name and a.asname is None for a in small.names):
+                    return True
     return False
+
+
+def _from_import(small) -> str | None:
+    """M for an absolute `from M import names` (not a star import), else None."""
+    if isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None \
+            and not isinstance(small.names, cst.ImportStar):
+        return dotted(small.module)
+    return None
 
 
 def _top_import(stmt) -> cst.BaseSmallStatement | None:
@@ -170,13 +174,7 @@ def _add_imports(module: cst.Module, specs) -> tuple:
         if spec.name is not None:
             for i, stmt in enumerate(body):
                 small = _top_import(stmt)
-                if (
-                    isinstance(small, cst.ImportFrom)
-                    and not small.relative
-                    and small.module is not None
-                    and dotted(small.module) == spec.module
-                    and not isinstance(small.names, cst.ImportStar)
-                ):
+                if _from_import(small) == spec.module:
                     names = insert_alias_after(small.names, len(small.names) - 1, cst.ImportAlias(cst.Name(spec.name)))
                     body[i] = stmt.with_changes(body=[small.with_changes(names=names)])
                     merged = True
@@ -195,13 +193,7 @@ def _remove_import(body: list, spec: ImportSpec) -> list:
             continue
         if spec.name is None and isinstance(small, cst.Import):
             want = spec.module
-        elif (
-            spec.name is not None
-            and isinstance(small, cst.ImportFrom)
-            and small.module is not None
-            and not small.relative
-            and dotted(small.module) == spec.module
-        ):
+        elif spec.name is not None and _from_import(small) == spec.module:
             want = spec.name
         else:
             continue
@@ -451,9 +443,7 @@ class _ImportEditor:
         self.notes = []
 
     def edit(self, node: cst.ImportFrom) -> cst.ImportFrom:
-        if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
-            return node
-        if dotted(node.module) not in self.modules:
+        if _from_import(node) not in self.modules:
             return node
         names = list(node.names)
         k = 0
