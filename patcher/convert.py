@@ -303,12 +303,12 @@ def load_bin(path: Path) -> tuple[dict, bool]:
         msg = " ".join(str(e).split())
         raise DsfixError(f"not a readable torch.save file: {type(e).__name__}: {msg[:200]}", path=str(path))
     if not isinstance(obj, dict):
-        raise DsfixError(f"holds a {type(obj).__name__}, not a state dict of tensors", path=str(path))
+        raise DsfixError(f"holds an object of type {type(obj).__name__}, not a state dict of tensors", path=str(path))
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         k = bad[0]
         hint = " (a training checkpoint? convert wants the saved model's weights)" if isinstance(obj[k], dict) else ""
-        raise DsfixError(f"not a state dict of tensors: {k!r} holds a {type(obj[k]).__name__}{hint}", path=str(path))
+        raise DsfixError(f"not a state dict of tensors: {k!r} holds an object of type {type(obj[k]).__name__}{hint}", path=str(path))
     sparse = [k for k, v in obj.items() if v.layout != torch.strided]
     if sparse:
         raise DsfixError(f"sparse tensors cannot be saved as safetensors: {_examples(sparse)}", path=str(path))
