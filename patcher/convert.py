@@ -473,7 +473,7 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from patcher.verify import same_bits, verify_folder
+    from patcher.verify import CRITIC, critic_load_check, load_check, same_bits, verify_folder
 
     written = []
     try:
@@ -501,8 +501,16 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
         raise DsfixError(f"cannot write here: {reason}; nothing written", path=str(plan.folder))
 
     count = sum(len(v) for v in plan.out.values())
-    report = verify_folder(staging, expect=count, load=load)
+    report = verify_folder(staging, expect=count, load=False)
     checks = [plan.checks[0]] + list(report.checks)
+    if load and report.check("config") is not None and report.check("config").ok:
+        if report.kind == CRITIC:
+            checks.append(critic_load_check(staging))
+        else:  # in the files' own dtype, so a bf16 model is not loaded at twice its size
+            import torch
+
+            dtype = getattr(torch, report.dtype) if report.dtype else None
+            checks.append(load_check(staging, dtype=dtype)[0])
     if plan.restored or plan.dropped:
         tied = report.check("tied")
         if tied is not None and tied.ok:
