@@ -272,7 +272,8 @@ def model_folders(path) -> list:
 
 
 def _holds_weights(folder: Path) -> bool:
-    return any(True for pattern in ("*.safetensors", "*.bin", INDEX_NAME, "pytorch_model.bin.index.json")
+    """Model weights of either format (not any .bin: a step-3 folder may hold training_args.bin)."""
+    return any(True for pattern in ("*.safetensors", "pytorch_model*.bin", INDEX_NAME, "pytorch_model.bin.index.json")
                for _ in folder.glob(pattern))
 
 

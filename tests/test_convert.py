@@ -320,8 +320,10 @@ def make_step3(root, model, critic):
 
 def test_step3_output_folder_converts_and_verifies_each_model(tmp_path, model, critic):
     out = make_step3(tmp_path / "step3", model, critic)
+    (out / "training_args.bin").write_bytes(b"not weights")  # other .bin files neither hide the subfolders nor change
     code, stdout, _ = cli("convert", out, "--json")
     assert code == 0
+    assert (out / "training_args.bin").read_bytes() == b"not weights"
     report = json.loads(stdout)
     assert [(os.path.basename(f["path"]), f["kind"], f["tensors"]) for f in report["folders"]] == [
         ("actor", "causal-lm", 311), ("critic", "critic", 311), ("actor_ema", "causal-lm", 311)]
