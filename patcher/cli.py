@@ -224,20 +224,59 @@ def _steps(text: str) -> tuple:
 @app.command()
 @_guard
 def verify(
-    folder: Path = typer.Argument(..., help="A saved model folder (config.json plus safetensors weights)."),
-    expect: Optional[int] = typer.Option(None, help="The number of tensors the file must hold."),
-    load: bool = typer.Option(True, help="Also load the folder with from_pretrained."),
+    folder: Path = typer.Argument(..., help="A saved model folder (config.json plus safetensors weights), "
+                                            "or a step-3 output folder holding actor/, critic/, actor_ema/."),
+    expect: Optional[int] = typer.Option(None, help="The number of tensors the file must hold (each folder's)."),
+    load: bool = typer.Option(True, help="Also load the folder (from_pretrained; a critic into its module)."),
     as_json: bool = JSON_OPT,
 ):
     """Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input."""
-    from patcher.verify import checks_table, verify_folder
+    from patcher.verify import KIND_TEXT, checks_table, model_folders, verify_folder
 
-    report = verify_folder(folder, expect=expect, load=load)
-    err.print(checks_table(report.checks, title=f"dsfix verify {folder}"))
-    err.print(f"{'all checks hold' if report.ok else 'verification FAILED'}: {report.tensors} tensors")
+    folders = model_folders(folder)
+    reports = []
+    for path in folders:
+        report = verify_folder(path, expect=expect, load=load)
+        reports.append(report)
+        err.print(checks_table(report.checks, title=f"dsfix verify {path}"))
+        verdict = "all checks hold" if report.ok else "verification FAILED"
+        err.print(f"{verdict}: {report.tensors} tensors, {KIND_TEXT[report.kind]}", markup=False)
+    ok = all(r.ok for r in reports)
+    if as_json:
+        if folders == [folder]:
+            sys.stdout.write(reports[0].to_json() + "\n")
+        else:
+            data = {"path": str(folder), "ok": ok, "folders": [r.to_dict() for r in reports]}
+            sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+@_guard
+def convert(
+    folder: Path = typer.Argument(..., help="A DeepSpeed-Chat output folder with pytorch_model.bin (or a sharded .bin "
+                                            "index) and config.json, or a step-3 folder holding actor/, critic/, actor_ema/."),
+    strategy: Strategy = typer.Option(
+        Strategy.clone, help="clone: a tied alias is written as its own copy, restored when the .bin lacks it "
+        "(311 tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out (310)."
+    ),
+    remove_bin: bool = typer.Option(False, "--remove-bin", help="Remove the .bin files once the safetensors are in place."),
+    load: bool = typer.Option(True, help="Also load the written folder (from_pretrained; a critic into its module)."),
+    as_json: bool = JSON_OPT,
+):
+    """Turn .bin weights into a verified safetensors folder. Exit 0: converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused pickle."""
+    from patcher.convert import convert as run_convert
+    from patcher.verify import KIND_TEXT, checks_table
+
+    report = run_convert(folder, strategy=strategy.value, remove_bin=remove_bin, load=load, console=err.console)
+    for result in report.folders:
+        if result.checks and (not result.ok or result.status == "converted"):
+            err.print(checks_table(result.checks, title=f"dsfix convert {result.path}"))
+        kind = f" [{KIND_TEXT[result.kind]}]" if result.kind else ""
+        err.print(result.summary() + kind, markup=False)
     if as_json:
         sys.stdout.write(report.to_json() + "\n")
-    raise typer.Exit(0 if report.ok else 1)
+    raise typer.Exit(report.exit_code)
 
 
 @app.command()

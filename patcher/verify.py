@@ -5,6 +5,17 @@
 model from config.json on the meta device to learn the expected keys, shapes and tied aliases, then
 compares the file headers with them. torch and transformers are imported inside the functions, so
 ``import patcher.verify`` stays cheap for the patch path.
+
+Two kinds of folder, told apart by their keys:
+
+* ``causal-lm``: step 1's model and step 3's ``actor``/``actor_ema``, checked against
+  ``AutoModelForCausalLM.from_config`` and loaded with ``from_pretrained``;
+* ``critic``: step 2's reward model and step 3's ``critic`` (``rwtransformer.*`` plus ``v_head.weight``,
+  with the base model's config), checked against :class:`patcher.critic.CriticModel` built the way
+  DeepSpeed-Chat's ``create_critic_model`` builds it, and loaded into that module with strict key
+  matching.
+
+``model_folders`` expands a step-3 output folder into its ``actor``, ``critic`` and ``actor_ema``.
 """
 
 from __future__ import annotations
@@ -19,6 +30,14 @@ from patcher.errors import DsfixError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+STEP3_SUBFOLDERS = ("actor", "critic", "actor_ema")  # what DeepSpeed-Chat's step 3 saves under its output folder
+
+CAUSAL_LM = "causal-lm"
+CRITIC = "critic"
+KIND_TEXT = {
+    CAUSAL_LM: "causal LM (step-1 model, step-3 actor or EMA)",
+    CRITIC: "reward/critic model (rwtransformer.* + v_head.weight, as create_critic_model builds it)",
+}
 
 # safetensors header dtype -> torch dtype name
 _DTYPE_NAMES = {
@@ -61,11 +80,13 @@ class VerifyReport(Checks):
     dtype: Optional[str] = None  # the one floating dtype in the files, if they agree
     files: tuple = ()  # the safetensors files read, relative to path
     expected: Optional[int] = None  # keys the config's model has (tied aliases included)
+    kind: str = CAUSAL_LM  # CAUSAL_LM or CRITIC, from the file's keys
 
     def to_dict(self) -> dict:
         return {
             "path": self.path,
             "ok": self.ok,
+            "kind": self.kind,
             "tensors": self.tensors,
             "expected_keys": self.expected,
             "dtype": self.dtype,
@@ -137,7 +158,8 @@ def _weight_files(folder: Path) -> tuple[list, Optional[dict], list]:
         return others, None, [f"no {SINGLE_NAME} or {INDEX_NAME}; found {_examples(others)}, which from_pretrained ignores"]
     bins = sorted(p.name for p in folder.glob("*.bin"))
     if bins:
-        raise DsfixError(f"no safetensors weights, only {_examples(bins)} (a pickle save); nothing to verify", path=str(folder))
+        raise DsfixError(f"no safetensors weights, only {_examples(bins)} (a pickle save); nothing to verify "
+                         "(`dsfix convert` turns it into safetensors)", path=str(folder))
     raise DsfixError(f"no model weights ({SINGLE_NAME} or {INDEX_NAME}) in this folder", path=str(folder))
 
 
@@ -199,19 +221,60 @@ def _load_config(folder: Path) -> tuple[Optional[Any], Check, Optional[str]]:
     return cfg, Check("config", True, detail), cfg_dtype
 
 
-def _expected_from_meta(cfg) -> tuple[dict, list]:
-    """(key -> shape, tie groups: lists of keys that are one tensor) of the config's model on meta."""
+def folder_kind(keys) -> str:
+    """CRITIC when the keys are a reward/critic model's (``v_head.weight``, ``rwtransformer.*``), else CAUSAL_LM."""
+    return CRITIC if any(k == "v_head.weight" or k.startswith("rwtransformer.") for k in keys) else CAUSAL_LM
+
+
+def meta_model(cfg, kind: str = CAUSAL_LM):
+    """The config's model on the meta device: a causal LM, or the critic as create_critic_model builds it."""
     import torch
+
+    if kind == CRITIC:
+        from patcher.critic import build_critic
+
+        return build_critic(cfg)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def model_name(model, kind: str = CAUSAL_LM) -> str:
+    if kind == CRITIC:
+        return f"{type(model.rwtransformer).__name__} under rwtransformer. + v_head"
+    return type(model).__name__
+
+
+def _expected_from_meta(cfg, kind: str = CAUSAL_LM) -> tuple[dict, list]:
+    """(key -> shape, tie groups: lists of keys that are one tensor) of the config's model on meta."""
+    return expected_of(meta_model(cfg, kind))
+
+
+def expected_of(model) -> tuple[dict, list]:
+    """(key -> shape, tie groups) of a (meta) model's state dict; tied keys are one tensor object."""
     sd = model.state_dict(keep_vars=True)
     shapes = {k: tuple(int(d) for d in v.shape) for k, v in sd.items()}
     groups: dict = {}
     for k, v in sd.items():
         groups.setdefault(id(v), []).append(k)
     return shapes, [g for g in groups.values() if len(g) > 1]
+
+
+def model_folders(path) -> list:
+    """The model folders under ``path``: ``[path]`` when it holds weights (safetensors or ``.bin``) itself,
+    else its step-3 subfolders (``actor``, ``critic``, ``actor_ema``) that exist, else ``[path]``."""
+    folder = Path(path)
+    if not folder.is_dir() or _holds_weights(folder):
+        return [folder]
+    subs = [folder / name for name in STEP3_SUBFOLDERS if (folder / name).is_dir()]
+    return subs or [folder]
+
+
+def _holds_weights(folder: Path) -> bool:
+    """Model weights of either format (not any .bin: a step-3 folder may hold training_args.bin)."""
+    return any(True for pattern in ("*.safetensors", "pytorch_model*.bin", INDEX_NAME, "pytorch_model.bin.index.json")
+               for _ in folder.glob(pattern))
 
 
 # --------------------------------------------------------------------------- the checks
@@ -236,16 +299,25 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
     what = f"{len(files)} shard(s) via {INDEX_NAME}" if weight_map is not None else _examples(files)
     checks.append(Check("files", not problems, "; ".join(problems) if problems else f"{what}, {len(head.entries)} tensors"))
 
+    kind = folder_kind(head.entries)
     expected_shapes: Optional[dict] = None
     tie_groups: list = []
+    built = None
     if cfg is not None:
         try:
-            expected_shapes, tie_groups = _expected_from_meta(cfg)
+            model = meta_model(cfg, kind)
+            built = model_name(model, kind)
+            expected_shapes, tie_groups = expected_of(model)
+            del model
         except Exception as e:
-            checks.append(Check("keys", False, f"cannot build a causal-LM from {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
+            what = "the critic (AutoModel + v_head)" if kind == CRITIC else "a causal-LM"
+            checks.append(Check("keys", False, f"cannot build {what} from {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
 
     if expected_shapes is not None:
-        checks.append(_keys_check(head, expected_shapes, tie_groups))
+        keys = _keys_check(head, expected_shapes, tie_groups)
+        if kind == CRITIC:
+            keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
+        checks.append(keys)
         checks.append(_shapes_check(head, expected_shapes))
     checks.append(_nonempty_check(head))
     dtype_check, dtype_name = _dtype_check(head, cfg_dtype)
@@ -256,7 +328,7 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
         n = len(head.entries)
         checks.append(Check("count", n == expect, f"{n} tensors" + ("" if n == expect else f", expected {expect}")))
     if load and cfg is not None:
-        checks.append(load_check(folder)[0])
+        checks.append(critic_load_check(folder, head) if kind == CRITIC else load_check(folder)[0])
 
     return VerifyReport(
         path=str(path),
@@ -266,6 +338,7 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
         dtype=dtype_name,
         files=tuple(files),
         expected=len(expected_shapes) if expected_shapes is not None else None,
+        kind=kind,
     )
 
 
@@ -381,6 +454,77 @@ def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
     if device is not None:
         model = model.to(device)
     return Check("load", True, "from_pretrained: no missing, unexpected or mismatched keys"), (model if keep_model else None)
+
+
+def critic_load_check(path, head: Optional[_Header] = None) -> Check:
+    """Load a critic folder the way step 3 does without from_pretrained (which a RewardModel lacks).
+
+    Builds :class:`patcher.critic.CriticModel` from config.json (parameters on meta, buffers real),
+    loads every tensor of the files into it with ``load_state_dict(strict=True, assign=True)``, checks
+    that no parameter is left on meta and that each of the module's tensors holds its key's data, then
+    runs it on a few tokens: one finite value per token.
+    """
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from patcher.critic import build_critic
+
+    folder = Path(path)
+    try:
+        model = build_critic(AutoConfig.from_pretrained(str(folder)), on_meta=False)
+    except Exception as e:
+        return Check("load", False, f"cannot build the critic from {CONFIG_NAME}: {type(e).__name__}: {e}")
+    if head is None:
+        files, weight_map, _ = _weight_files(folder)
+        head = _read_headers(folder, files, weight_map)
+    state = {}
+    for name in head.files:
+        try:
+            with safe_open(str(folder / name), framework="pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key)
+        except Exception as e:
+            return Check("load", False, f"cannot read {name}: {type(e).__name__}: {e}")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except Exception as e:
+        msg = " ".join(str(e).split())
+        return Check("load", False, f"load_state_dict (strict) into the critic: {msg[:400]}")
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        return Check("load", False, f"{len(left)} tensors left unloaded: {_examples(left)}")
+    live = model.state_dict()
+    differ = [k for k, t in state.items() if not same_bits(live[k], t)]
+    if differ:
+        return Check("load", False, f"{len(differ)} of the critic's tensors differ from the file's: {_examples(differ)}")
+    vocab = int(getattr(model.config, "vocab_size", 8) or 8)
+    ids = (torch.arange(8) % vocab).unsqueeze(0)
+    try:
+        model.eval()
+        with torch.no_grad():
+            values = model(ids)
+    except Exception as e:
+        msg = " ".join(str(e).split())
+        return Check("load", False, f"the loaded critic does not run: {type(e).__name__}: {msg[:300]}")
+    if tuple(values.shape) != (1, 8) or not bool(torch.isfinite(values.float()).all()):
+        return Check("load", False, f"the loaded critic gives values of shape {_shape(values.shape)}, "
+                                    f"{int((~torch.isfinite(values.float())).sum())} not finite")
+    return Check("load", True, f"critic ({model_name(model, CRITIC)}) loaded with strict keys: {len(state)} tensors, "
+                               "none missing or unexpected, all equal to the files; one finite value per token")
+
+
+def same_bits(a, b) -> bool:
+    """True when two tensors have the same dtype, shape and bytes (NaN-safe, unlike torch.equal)."""
+    import torch
+
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.numel() == 0:
+        return True
+    # compare as integers of the element's width: bit-exact, and wider words compare faster than bytes
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size(), torch.uint8)
+    return torch.equal(a.detach().reshape(-1).view(as_int), b.detach().reshape(-1).view(as_int))
 
 
 def dtype_kwarg() -> str:

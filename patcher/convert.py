@@ -1,0 +1,585 @@
+"""``dsfix convert DIR``: turn a DeepSpeed-Chat ``.bin`` output folder into a verified safetensors folder.
+
+DeepSpeed-Chat's unpatched saves write ``pytorch_model.bin`` (a pickle) beside ``config.json``; transformers'
+``save_pretrained(safe_serialization=False)`` writes ``pytorch_model.bin.index.json`` and shards. convert:
+
+1. finds the folders: ``DIR`` itself, or a step-3 output folder's ``actor``, ``critic`` and ``actor_ema``;
+2. loads every ``.bin`` with ``torch.load(weights_only=True, map_location="cpu", mmap=True)`` (``mmap``
+   only for zip-format files) and refuses, before anything is written, a pickle that needs code to load;
+3. plans the tensors against the config's model built on the meta device (the causal LM, or the critic
+   as ``create_critic_model`` builds it, see :mod:`patcher.critic`): a tied alias that the save dropped
+   (upstream's ZeRO-3 save keeps ``named_parameters()`` only, so ``lm_head.weight`` is missing) is
+   restored from its partner under ``clone``; an alias present is dropped under ``dedupe``. Keys, shapes,
+   dtypes and non-emptiness are checked here, before writing: a failure writes nothing (exit 1);
+4. writes the safetensors files with ``safetensors.torch.save_file`` into a temporary folder inside
+   ``DIR``, fsyncs them, runs :func:`patcher.verify.verify_folder` on that folder (load included), and
+   compares every written tensor bit for bit with the ``.bin``'s;
+5. only when every folder passed, renames the files into place (shards first, the index last), fsyncs
+   the folder, and removes the ``.bin`` files if asked. Any failure before that leaves every folder as
+   it was; the temporary folder is always removed.
+
+No extra copy of the weights is made: the ``.bin`` is memory-mapped, ``save_file`` (safetensors 0.6+)
+writes from the tensors' memory, and the only tensor copied is a tied alias that shares storage with its
+partner (``save_file`` refuses shared storage), under ``clone``, where it must be its own tensor anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from patcher.errors import DsfixError
+from patcher.verify import (
+    CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Checks, _examples, _Header, model_folders,
+)
+
+BIN_NAME = "pytorch_model.bin"
+BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+STAGING_PREFIX = ".dsfix-convert-"
+PROGRESS_MIN_BYTES = 64 * 2**20  # show a progress bar (on a terminal) from this much data on
+STRATEGIES = ("clone", "dedupe")
+
+# torch dtype name -> safetensors header code (what verify's checks read)
+_CODES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class FolderResult(Checks):
+    path: str
+    status: str  # "converted", "nothing to convert", "failed", "not written"
+    ok: bool
+    checks: tuple = ()
+    kind: Optional[str] = None
+    strategy: str = "clone"
+    source: tuple = ()  # the .bin files read (names in the folder)
+    written: tuple = ()  # the files written (names in the folder)
+    tensors: Optional[int] = None
+    restored: tuple = ()  # "ALIAS <- PARTNER": tied aliases written as their own copy though the .bin lacked them
+    dropped: tuple = ()  # tied aliases the .bin held but dedupe left out
+    removed: tuple = ()  # .bin files removed (--remove-bin)
+    bytes_written: int = 0
+    mmap: Optional[bool] = None  # whether the .bin was memory-mapped
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path, "status": self.status, "ok": self.ok, "kind": self.kind,
+            "strategy": self.strategy, "source": list(self.source), "written": list(self.written),
+            "tensors": self.tensors, "restored": list(self.restored), "dropped": list(self.dropped),
+            "removed": list(self.removed), "bytes_written": self.bytes_written, "mmap": self.mmap,
+            "note": self.note, "checks": [c._asdict() for c in self.checks],
+        }
+
+    def summary(self) -> str:
+        if self.status == "nothing to convert":
+            return f"nothing to convert in {self.path}: {self.note}"
+        if self.status == "not written":
+            return f"not converted {self.path}: {self.note}"
+        if self.status == "failed":
+            return f"not converted {self.path}: a check failed; nothing written"
+        how = self.strategy
+        if self.restored:
+            how += f"; restored {_examples(self.restored)}"
+        if self.dropped:
+            how += f"; dropped tied alias {_examples(self.dropped)}"
+        tail = (f"removed {_examples(self.removed)}" if self.removed
+                else f"{_examples(self.source)} kept (--remove-bin removes it)")
+        return (f"converted {self.path}: {_examples(self.source)} -> {_examples(self.written)}, "
+                f"{self.tensors} tensors ({how}); {tail}")
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    path: str
+    strategy: str
+    folders: tuple  # of FolderResult
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.folders)
+
+    @property
+    def status(self) -> str:
+        if not self.ok:
+            return "failed"
+        return "converted" if any(f.status == "converted" for f in self.folders) else "nothing to convert"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "ok": self.ok, "status": self.status, "strategy": self.strategy,
+                "folders": [f.to_dict() for f in self.folders]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+@dataclass
+class _Plan:
+    """One folder to convert: what was read, what will be written."""
+
+    folder: Path
+    source: list  # .bin names
+    sharded: bool
+    state: dict = field(default_factory=dict)  # key -> tensor (memory-mapped)
+    origin: dict = field(default_factory=dict)  # key -> index of its .bin in source
+    mmap: bool = True
+    already: Optional[str] = None  # why there is nothing to convert
+    # filled by _plan_tensors
+    kind: Optional[str] = None
+    out: dict = field(default_factory=dict)  # file name -> {key: tensor}
+    partner: dict = field(default_factory=dict)  # key written -> the .bin key whose data it holds
+    restored: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)
+    checks: list = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for files in self.out.values() for t in files.values())
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bool = True, console=None,
+            progress_min_bytes: int = PROGRESS_MIN_BYTES) -> ConvertReport:
+    """Convert ``path`` (a model folder, or a step-3 folder of them). Raises DsfixError (code 2) on bad input;
+    a failed check gives ``ok=False``. Either every folder is converted or none is touched."""
+    if strategy not in STRATEGIES:
+        raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
+    root = Path(path)
+    if not root.exists():
+        raise DsfixError("no such folder", path=str(path))
+    if not root.is_dir():
+        raise DsfixError("is not a folder", path=str(path))
+
+    plans = [_read(folder) for folder in model_folders(root)]
+    results: dict = {}
+    todo = []
+    for plan in plans:
+        if plan.already is not None:
+            results[plan.folder] = FolderResult(str(plan.folder), "nothing to convert", True, note=plan.already,
+                                                strategy=strategy)
+            continue
+        _plan_tensors(plan, strategy)
+        if any(not c.ok for c in plan.checks):
+            results[plan.folder] = _failed(plan, strategy)
+        else:
+            todo.append(plan)
+
+    staged: list = []  # (plan, staging folder, written names, checks)
+    try:
+        if not any(r.status == "failed" for r in results.values()):
+            total = 2 * sum(p.nbytes for p in todo)
+            with _progress(console, total, progress_min_bytes) as advance:
+                for plan in todo:
+                    staging, written, checks = _stage(plan, load, advance)
+                    staged.append((plan, staging, written, checks))
+                    if not all(c.ok for c in checks):
+                        results[plan.folder] = _failed(plan, strategy, checks)
+                        break
+        if any(r.status == "failed" for r in results.values()):
+            for plan in todo:
+                results.setdefault(plan.folder, FolderResult(
+                    str(plan.folder), "not written", False, kind=plan.kind, strategy=strategy,
+                    source=tuple(plan.source), note="another folder failed a check; nothing written"))
+        else:
+            _commit(staged)
+            for plan, _, written, checks in staged:
+                removed = _remove_bins(plan) if remove_bin else []
+                results[plan.folder] = FolderResult(
+                    str(plan.folder), "converted", True, tuple(checks), kind=plan.kind, strategy=strategy,
+                    source=tuple(plan.source), written=tuple(written),
+                    tensors=sum(len(v) for v in plan.out.values()), restored=tuple(plan.restored),
+                    dropped=tuple(plan.dropped), removed=tuple(removed), bytes_written=plan.nbytes, mmap=plan.mmap)
+    finally:
+        for _, staging, _, _ in staged:
+            shutil.rmtree(staging, ignore_errors=True)
+    return ConvertReport(str(root), strategy, tuple(results[p.folder] for p in plans))
+
+
+def _failed(plan: _Plan, strategy: str, checks=None) -> FolderResult:
+    return FolderResult(str(plan.folder), "failed", False, tuple(checks if checks is not None else plan.checks),
+                        kind=plan.kind, strategy=strategy, source=tuple(plan.source), mmap=plan.mmap,
+                        tensors=sum(len(v) for v in plan.out.values()) or None)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _read(folder: Path) -> _Plan:
+    """What the folder holds, its .bin files loaded weights-only. Raises DsfixError (code 2) on bad input."""
+    if not folder.is_dir():
+        raise DsfixError("no such folder", path=str(folder))
+    has_st = (folder / SINGLE_NAME).is_file() or (folder / INDEX_NAME).is_file()
+    if (folder / BIN_INDEX_NAME).is_file():
+        source, sharded = _bin_shards(folder), True
+    elif (folder / BIN_NAME).is_file():
+        source, sharded = [BIN_NAME], False
+    elif has_st:
+        return _Plan(folder, [], False, already=f"it already holds safetensors weights "
+                                                f"({SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME})")
+    else:
+        others = sorted(p.name for p in folder.glob("*.bin"))
+        found = f"; found only {_examples(others)}" if others else ""
+        raise DsfixError(f"no {BIN_NAME} or {BIN_INDEX_NAME} here, nor actor/, critic/ or actor_ema/ with one{found}",
+                         path=str(folder))
+    if has_st:
+        what = SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME
+        return _Plan(folder, source, sharded, already=f"{what} is already there beside {_examples(source)} "
+                                                      f"(remove {what} to convert again)")
+    if not (folder / CONFIG_NAME).is_file():
+        raise DsfixError(f"no {CONFIG_NAME}: convert needs the model's config to check the weights", path=str(folder))
+    plan = _Plan(folder, source, sharded)
+    for i, name in enumerate(source):
+        state, mapped = load_bin(folder / name)
+        plan.mmap = plan.mmap and mapped
+        for key, tensor in state.items():
+            if key in plan.state:
+                raise DsfixError(f"{key} is in both {source[plan.origin[key]]} and {name}", path=str(folder))
+            plan.state[key] = tensor
+            plan.origin[key] = i
+    if not plan.state:
+        raise DsfixError(f"{_examples(source)} holds no tensors", path=str(folder))
+    return plan
+
+
+def _bin_shards(folder: Path) -> list:
+    index = folder / BIN_INDEX_NAME
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise TypeError("weight_map is not a non-empty object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DsfixError(f"{BIN_INDEX_NAME} is unreadable: {e}", path=str(folder))
+    shards = sorted(set(weight_map.values()))
+    bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s]
+    if bad:
+        raise DsfixError(f"{BIN_INDEX_NAME} names shards outside the folder: {_examples(bad)}", path=str(folder))
+    missing = [s for s in shards if not (folder / s).is_file()]
+    if missing:
+        raise DsfixError(f"{BIN_INDEX_NAME} names shards that are missing: {_examples(missing)}", path=str(folder))
+    return shards
+
+
+def load_bin(path: Path) -> tuple[dict, bool]:
+    """(state dict, memory-mapped?) of a ``torch.save`` file, loaded weights-only on the CPU.
+
+    A pickle that needs code to load (a custom class, a function call) is refused with DsfixError (code 2).
+    """
+    import pickle
+
+    import torch
+
+    mapped = zipfile.is_zipfile(path)  # mmap needs the zip format (torch.save's default since 1.6)
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mapped)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        raise DsfixError(f"refused: this pickle needs code to load{what}, which a weights-only load does not run; "
+                         "nothing written", path=str(path))
+    except MemoryError:
+        raise
+    except Exception as e:
+        msg = " ".join(str(e).split())
+        raise DsfixError(f"not a readable torch.save file: {type(e).__name__}: {msg[:200]}", path=str(path))
+    if not isinstance(obj, dict):
+        raise DsfixError(f"holds an object of type {type(obj).__name__}, not a state dict of tensors", path=str(path))
+    bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        k = bad[0]
+        hint = " (a training checkpoint? convert wants the saved model's weights)" if isinstance(obj[k], dict) else ""
+        raise DsfixError(f"not a state dict of tensors: {k!r} holds an object of type {type(obj[k]).__name__}{hint}", path=str(path))
+    sparse = [k for k, v in obj.items() if v.layout != torch.strided]
+    if sparse:
+        raise DsfixError(f"sparse tensors cannot be saved as safetensors: {_examples(sparse)}", path=str(path))
+    return obj, mapped
+
+
+# --------------------------------------------------------------------------- planning and pre-checks
+
+
+def _plan_tensors(plan: _Plan, strategy: str) -> None:
+    """Decide the output files and tensors, and check them against the config's meta model (no writing)."""
+    from patcher import verify as v
+
+    cfg, cfg_check, cfg_dtype = v._load_config(plan.folder)
+    plan.kind = v.folder_kind(plan.state)
+    plan.checks.append(Check("source", True, _source_detail(plan)))
+    plan.checks.append(cfg_check)
+    if cfg is None:
+        return
+    try:
+        meta = v.meta_model(cfg, plan.kind)
+        built = v.model_name(meta, plan.kind)
+        expected, tie_groups = v.expected_of(meta)
+        del meta
+    except Exception as e:
+        plan.checks.append(Check("keys", False, f"cannot build the model of {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
+        return
+
+    keep = dict(plan.state)  # key -> tensor, in the .bin's order
+    partner = {k: k for k in keep}
+    tied_bad = []
+    for group in tie_groups:
+        present = [k for k in group if k in plan.state]
+        if not present:
+            continue
+        first = present[0]
+        for other in present[1:]:
+            if not _equal(plan.state[other], plan.state[first]):
+                tied_bad.append(f"{other} != {first}")
+            elif strategy == "dedupe":
+                del keep[other], partner[other]
+                plan.dropped.append(other)
+        if strategy == "clone":
+            for missing in (k for k in group if k not in plan.state):
+                if tuple(plan.state[first].shape) == expected[missing]:
+                    keep[missing] = plan.state[first]
+                    partner[missing] = first
+                    plan.restored.append(f"{missing} <- {first}")
+    plan.partner = partner
+
+    # the output files: one, or one shard per input shard (the restored alias beside its partner)
+    if plan.sharded:
+        groups: dict = {}
+        for key in keep:
+            groups.setdefault(plan.origin[partner[key]], {})[key] = keep[key]
+        filled = [groups[i] for i in sorted(groups)]
+        n = len(filled)
+        plan.out = {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(filled)}
+    else:
+        plan.out = {SINGLE_NAME: keep}
+
+    head = _Header(files=list(plan.out))
+    for name, tensors in plan.out.items():
+        for key, t in tensors.items():
+            code = _CODES.get(str(t.dtype).replace("torch.", ""), str(t.dtype).replace("torch.", "").upper())
+            head.entries[key] = (tuple(int(d) for d in t.shape), code, name)
+    keys = v._keys_check(head, expected, tie_groups)
+    if plan.kind == v.CRITIC:
+        keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
+    plan.checks.append(keys)
+    plan.checks.append(v._shapes_check(head, expected))
+    plan.checks.append(v._nonempty_check(head))
+    plan.checks.append(v._dtype_check(head, cfg_dtype)[0])
+    if tied_bad:
+        plan.checks.append(Check("tied", False, f"tied aliases in the .bin differ from their partner: "
+                                                f"{_examples(tied_bad)}; refusing to pick one"))
+    elif tie_groups:
+        done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
+        plan.checks.append(Check("tied", True, _examples(done) if done else "nothing to restore or drop"))
+    else:
+        plan.checks.append(Check("tied", True, f"{built} ties no tensors: nothing to restore"))
+
+
+def _source_detail(plan: _Plan) -> str:
+    how = "memory-mapped" if plan.mmap else "read (not zip format, so not memory-mapped)"
+    return f"{_examples(plan.source)}: {len(plan.state)} tensors, loaded weights-only, {how}"
+
+
+def _equal(a, b) -> bool:
+    """Bit-equal; cheap when both are the same memory."""
+    from patcher.verify import same_bits
+
+    if (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr() and a.device == b.device):
+        return True
+    return same_bits(a, b)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _unshare(tensors: dict) -> tuple[dict, list]:
+    """The tensors, each its own contiguous memory as save_file wants; copies only what overlaps or is strided."""
+    out, seen, copied = {}, {}, []
+    for key, t in tensors.items():
+        if not t.is_contiguous():
+            t = t.contiguous()
+        elif t.numel():
+            storage = t.untyped_storage()
+            start = t.data_ptr()
+            end = start + t.numel() * t.element_size()
+            spans = seen.setdefault((storage.data_ptr(), storage.nbytes()), [])
+            if any(start < e and s < end for s, e in spans):
+                t = t.clone()
+                copied.append(key)
+            else:
+                spans.append((start, end))
+        out[key] = t
+    return out, copied
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _stage(plan: _Plan, load: bool, advance) -> tuple[Path, list, list]:
+    """Write the folder's safetensors into a temporary folder inside it, verify and compare them there.
+
+    Returns (staging folder, names to move into place, checks); the caller removes the staging folder.
+    Raises DsfixError (code 2) when the folder cannot be written, with the staging folder removed.
+    """
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=str(plan.folder)))
+    except OSError as e:
+        raise DsfixError(f"cannot write here: {e.strerror or e}; nothing written", path=str(plan.folder))
+    try:
+        written, checks = _write_and_check(plan, staging, load, advance)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging, written, checks
+
+
+def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[list, list]:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from patcher.verify import CRITIC, critic_load_check, load_check, same_bits, verify_folder
+
+    written = []
+    try:
+        for name, tensors in plan.out.items():
+            ready, _ = _unshare(tensors)
+            save_file(ready, str(staging / name), metadata={"format": "pt"})
+            del ready
+            _fsync_file(staging / name)
+            written.append(name)
+            advance(sum(t.numel() * t.element_size() for t in tensors.values()))
+        if plan.sharded:
+            index = {"metadata": {"total_size": plan.nbytes},
+                     "weight_map": {k: name for name, ts in plan.out.items() for k in sorted(ts)}}
+            index["weight_map"] = dict(sorted(index["weight_map"].items()))
+            (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            _fsync_file(staging / INDEX_NAME)
+            written.append(INDEX_NAME)
+        mode = stat.S_IMODE(os.stat(plan.folder / plan.source[0]).st_mode)
+        for name in written:  # save_file creates 0600 files; give them the .bin's permissions
+            os.chmod(staging / name, mode)
+        shutil.copyfile(plan.folder / CONFIG_NAME, staging / CONFIG_NAME)  # for the checks; not moved
+        _fsync_dir(staging)
+    except Exception as e:  # OSError, or safetensors' own error on a full disk
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise DsfixError(f"cannot write here: {reason}; nothing written", path=str(plan.folder))
+
+    count = sum(len(v) for v in plan.out.values())
+    report = verify_folder(staging, expect=count, load=False)
+    checks = [plan.checks[0]] + list(report.checks)
+    if load and report.check("config") is not None and report.check("config").ok:
+        if report.kind == CRITIC:
+            checks.append(critic_load_check(staging))
+        else:  # in the files' own dtype, so a bf16 model is not loaded at twice its size
+            import torch
+
+            dtype = getattr(torch, report.dtype) if report.dtype else None
+            checks.append(load_check(staging, dtype=dtype)[0])
+    if plan.restored or plan.dropped:
+        tied = report.check("tied")
+        if tied is not None and tied.ok:
+            done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
+            checks[checks.index(tied)] = tied._replace(detail=f"{tied.detail}; {_examples(done)}")
+
+    differ, compared = [], 0
+    for name, tensors in plan.out.items():
+        with safe_open(str(staging / name), framework="pt") as f:
+            for key, source in tensors.items():
+                if not same_bits(f.get_tensor(key), source):
+                    differ.append(key)
+                compared += 1
+                advance(source.numel() * source.element_size())
+    src = _examples(plan.source)
+    checks.append(Check("equal", not differ, f"{len(differ)} of {compared} tensors differ from {src}: {_examples(differ)}"
+                        if differ else f"{compared} tensors equal, bit for bit, to {src}'s"))
+    return written, checks
+
+
+def _commit(staged: list) -> None:
+    """Move every staged file into place: all folders or none (a failure moves back what it moved)."""
+    for plan, staging, written, _ in staged:
+        clash = [n for n in written if (plan.folder / n).exists()]
+        if clash:
+            raise DsfixError(f"{_examples(clash)} appeared while converting; nothing written", path=str(plan.folder))
+    moved = []
+    try:
+        for plan, staging, written, _ in staged:
+            for name in written:  # shards first, the index last
+                os.replace(staging / name, plan.folder / name)
+                moved.append((staging / name, plan.folder / name))
+            _fsync_dir(plan.folder)
+    except BaseException as e:
+        for back, there in reversed(moved):
+            try:
+                os.replace(there, back)
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise DsfixError(f"cannot move the converted files into place: {e.strerror or e}; nothing written",
+                             path=str(getattr(e, "filename", "") or staged[0][0].folder))
+        raise
+
+
+def _remove_bins(plan: _Plan) -> list:
+    names = list(plan.source) + ([BIN_INDEX_NAME] if plan.sharded else [])
+    removed = []
+    for name in names:
+        try:
+            (plan.folder / name).unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise DsfixError(f"converted, but cannot remove {name}: {e.strerror or e}", path=str(plan.folder))
+    _fsync_dir(plan.folder)
+    return removed
+
+
+@contextmanager
+def _progress(console, total: int, min_bytes: int):
+    """advance(nbytes): a rich progress bar on ``console`` when it is a terminal and the data is large."""
+    if console is None or not console.is_terminal or total < min_bytes:
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("converting (write, then compare)"), BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("convert", total=total)
+        yield lambda n: bar.advance(task, n)
