@@ -72,7 +72,22 @@ class Checkout:
                                      "step 1 does; patch it in a separate run", path=self.rel(path))
                 continue
             out.append((self.rel(path), f"step{step}", res.modules))
+        if any(s in (2, 3) for s in steps):
+            loader = self.loader_path()
+            if loader is not None:  # (without it, plan_apply warns that step 3 cannot read step 2's output)
+                out.append((self.rel(loader), "loader", ()))
         return out
+
+    def loader_path(self) -> Path | None:
+        """The file that defines create_critic_model: model/model_utils.py beside utils.py in both layouts."""
+        for p in (self.utils_path.parent / "model" / "model_utils.py",):
+            try:
+                if b"def create_critic_model(" in p.read_bytes():
+                    check_inside(self.root, p)
+                    return p
+            except OSError:
+                continue
+        return None
 
 
 def _is_chat_root(d: Path) -> bool:

@@ -18,12 +18,12 @@ import libcst as cst
 from patcher import transforms
 from patcher.diff import split_lines
 from patcher.errors import DsfixError
-from patcher.template import Template, _defined_name, is_dsfix_name
+from patcher.template import Template, _defined_name, is_dsfix_name, load_loader
 
 STEP2_WARNING = (
-    "step 2 will save model.safetensors, but step 3's critic loader (create_critic_model with "
-    "rlhf_training=True) asserts that pytorch_model.bin exists in the step-2 output: step 3 will not "
-    "start from this step-2 output unless you also adapt that loader"
+    "step 2 will save model.safetensors, but dsfix found no model_utils.py defining create_critic_model, step 3's "
+    "critic loader, to adapt: upstream's asserts that pytorch_model.bin exists in the step-2 output, so step 3 will "
+    "not start from this step-2 output unless you adapt the loader that your checkout uses"
 )
 
 
@@ -50,7 +50,7 @@ class Target:
     """One file as read: ``data`` None when it is missing."""
 
     rel: str  # path relative to the checkout root, with "/"
-    role: str  # "utils" or "step1" / "step2" / "step3"
+    role: str  # "utils", "step1" / "step2" / "step3", or "loader" (the model_utils.py step 3 reads with)
     data: bytes | None
     modules: tuple = ()  # scripts: the dotted names under which they import utils.py
 
@@ -160,6 +160,9 @@ def patch_file(target: Target, tpl: Template, strategy: str, defs: dict | None =
         if target.role == "utils":
             res = transforms.patch_utils(data, parse(data, rel), tpl, strategy, rel)
             return res.new, res.notes, [], res.defs
+        if target.role == "loader":
+            res = transforms.patch_loader(data, parse(data, rel), load_loader(), rel)
+            return res.new, res.notes, [], defs
         res = transforms.patch_main(data, target.modules, defs, rel)
     except DsfixError as e:
         if e.path is None:
@@ -185,7 +188,7 @@ def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None 
             reparse(change)
         changes.append(change)
         warnings += found
-        if t.role == "step2":
+        if t.role == "step2" and not any(x.role == "loader" for x in targets):
             warnings.append(STEP2_WARNING)
     pending = [c for c in changes if c.changed]
     state = None
@@ -223,9 +226,9 @@ def original_under_edits(saved: Saved, rel: str, current: bytes, modules: tuple)
 def unpatch(data: bytes, rel: str, role: str, modules: tuple) -> bytes:
     """Undo dsfix's change structurally; the user's other edits stay."""
     try:
-        if role == "utils":
+        if role in ("utils", "loader"):
             module = parse(data, rel)
-            new = transforms.unpatch_utils(module)
+            new = transforms.unpatch_utils(module) if role == "utils" else transforms.unpatch_loader(module)
             out = render(new, rel) if new is not module else data
         else:
             out = transforms.unpatch_main(data, modules, rel).new or data
@@ -244,7 +247,7 @@ def dsfix_block(data: bytes) -> str:
 
 
 def has_residue(data: bytes, rel: str, role: str, modules: tuple) -> bool:
-    if role == "utils":
+    if role in ("utils", "loader"):
         return transforms.find_marker(parse(data, rel)) is not None
     return transforms.main_is_patched(data, modules, rel)
 
@@ -286,7 +289,7 @@ def revert_with_state(saved: Saved, rel: str, current: bytes | None) -> RevertOu
     if merged is not None and not has_residue(merged, rel, role, modules):
         return RevertOutcome(rel, merged, Status.MERGED, notes=["kept your edits made after apply"])
     structural_ok = unpatch(patched, rel, role, modules) == original
-    if role == "utils":
+    if role in ("utils", "loader"):
         structural_ok = structural_ok and dsfix_block(current) == dsfix_block(patched)
     if structural_ok:
         try:
@@ -302,14 +305,17 @@ def revert_without_state(target: Target, tpl_for, force: bool) -> RevertOutcome:
     rel, role, cur = target.rel, target.role, target.data
     if not has_residue(cur, rel, role, target.modules):
         return RevertOutcome(rel, None, Status.UNCHANGED)
-    if role == "utils":
+    if role in ("utils", "loader"):
         module = parse(cur, rel)
         info = transforms.find_marker(module)
         strategy = info.get("strategy") if info.get("strategy") in ("clone", "dedupe") else "clone"
-        tpl = tpl_for(strategy)
+        tpl = tpl_for(strategy) if role == "utils" else load_loader()
         if f"v{tpl.version}" == info.get("template") and not force:
             base = unpatch(cur, rel, role, ())
-            redo = transforms.patch_utils(base, parse(base, rel), tpl, strategy, rel).new
+            if role == "utils":
+                redo = transforms.patch_utils(base, parse(base, rel), tpl, strategy, rel).new
+            else:
+                redo = transforms.patch_loader(base, parse(base, rel), tpl, rel).new
             if dsfix_block(redo) != dsfix_block(cur):
                 return RevertOutcome(rel, None, Status.REFUSED, "dsfix's inserted code was edited, and there is no "
                                      "state folder to compare with (use --force to remove it anyway)")

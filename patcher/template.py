@@ -19,6 +19,7 @@ from patcher.errors import DsfixError
 from patcher.names import PUBLIC_NAMES
 
 TEMPLATE_FILE = "save_safetensors.py"
+LOADER_FILE = "load_safetensors.py"
 STRATEGIES = ("clone", "dedupe")
 _STRATEGY_LINE = re.compile(r'^_DSFIX_STRATEGY = "[a-z]+"$', re.M)
 
@@ -65,20 +66,20 @@ class Template:
         return "".join(out) + self.body[at:]
 
 
-def template_path() -> Path:
+def template_path(name: str = TEMPLATE_FILE) -> Path:
     here = Path(__file__).resolve().parent
-    for p in (here / "templates" / TEMPLATE_FILE, here.parent / "templates" / TEMPLATE_FILE):
+    for p in (here / "templates" / name, here.parent / "templates" / name):
         if p.is_file():  # an installed wheel (patcher/templates/), then the source tree
             return p
     try:
         from importlib.resources import files
 
-        p = files("patcher.templates").joinpath(TEMPLATE_FILE)
+        p = files("patcher.templates").joinpath(name)
         if p.is_file():
             return Path(str(p))
     except (ModuleNotFoundError, TypeError, FileNotFoundError):
         pass
-    raise DsfixError(f"dsfix's template {TEMPLATE_FILE} is missing from this installation")
+    raise DsfixError(f"dsfix's template {name} is missing from this installation")
 
 
 def dotted(node: cst.BaseExpression) -> str:
@@ -97,12 +98,20 @@ def load_template(strategy: str = "clone") -> Template:
     return parse_template(path.read_text(encoding="utf-8"), strategy, path)
 
 
-def parse_template(source: str, strategy: str = "clone", path: Path = Path(TEMPLATE_FILE)) -> Template:
+@functools.lru_cache(maxsize=None)
+def load_loader() -> Template:
+    """The code dsfix inserts into model_utils.py so that step 3 reads safetensors."""
+    path = template_path(LOADER_FILE)
+    return parse_template(path.read_text(encoding="utf-8"), None, path)
+
+
+def parse_template(source: str, strategy: str | None = "clone", path: Path = Path(TEMPLATE_FILE)) -> Template:
     """The template's imports, and the text to insert: from the comment lines right above its first
-    statement after the imports to the end, the strategy constant set to ``strategy``."""
-    source, n = _STRATEGY_LINE.subn(f'_DSFIX_STRATEGY = "{strategy}"', source)
-    if n != 1:
-        raise DsfixError('template has no line `_DSFIX_STRATEGY = "..."`', path=str(path))
+    statement after the imports to the end, the strategy constant (if any) set to ``strategy``."""
+    if strategy is not None:
+        source, n = _STRATEGY_LINE.subn(f'_DSFIX_STRATEGY = "{strategy}"', source)
+        if n != 1:
+            raise DsfixError('template has no line `_DSFIX_STRATEGY = "..."`', path=str(path))
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     starts = [0]

@@ -34,8 +34,10 @@ class Result:
 # ----------------------------------------------------------------------------- the marker line
 
 
-def make_marker(version: int, strategy: str, added: list, replaced: list) -> str:
-    fields = [f"template=v{version}", f"strategy={strategy}"]
+def make_marker(version: int, strategy: str | None, added: list, replaced: list, calls: dict = None) -> str:
+    fields = [f"template=v{version}", f"strategy={strategy}" if strategy else "kind=loader"]
+    if calls:
+        fields.append("calls=" + ",".join(f"{new}:{old}" for new, old in calls.items()))
     if added:
         fields.append("added-imports=" + ",".join(s.token for s in added))
     if replaced:
@@ -215,7 +217,11 @@ def block_text(tpl: Template, defs: dict, marker: str, indent: str = "    ", new
         text = signature.generate(defs[NEW_NAMES[name]], tpl.docstrings[name])
         if text != tpl.body[slice(*tpl.public[name])]:
             public[name] = text
-    text = "\n\n" + marker + "\n" + tpl.text(public)
+    return _in_style("\n\n" + marker + "\n" + tpl.text(public), indent, newline)
+
+
+def _in_style(text: str, indent: str, newline: str) -> str:
+    """Code written with 4-space indents and "\n" newlines, in a file's own indentation and newlines."""
     if indent != "    ":
         lines = []
         for line in text.split("\n"):
@@ -357,6 +363,83 @@ def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> cst.Module
         if tok:
             body = _remove_import(body, ImportSpec.from_token(tok))
     return module.with_changes(body=body)
+
+
+# ----------------------------------------------------------------------------- model_utils.py (step 3's loader)
+
+LOADER_FUNCTION = "create_critic_model"
+LOADER_CALLS = {"exists": "_dsfix_checkpoint_exists", "load": "_dsfix_load_checkpoint"}  # callee's last name -> new
+
+
+class _LoaderCalls(cst.CSTTransformer):
+    """In create_critic_model: ``torch.load(X, ...)`` and ``os.path.exists(X)`` -> dsfix's loader functions
+    (``renames``: new name -> callee as written), or back (``back``: new name -> callee to restore)."""
+
+    def __init__(self, back: dict = None):
+        super().__init__()
+        self.back = back
+        self.renamed = {}  # new name -> callee as written
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        func = updated.func
+        if self.back is not None:
+            if isinstance(func, cst.Name) and func.value in self.back:
+                return updated.with_changes(func=cst.parse_expression(self.back[func.value]))
+            return updated
+        try:
+            name = dotted(func)
+        except TypeError:
+            return updated
+        last = name.rsplit(".", 1)[-1]
+        if last == "load" and name.split(".")[0] == "torch" or last == "exists" and "path" in name:
+            new = LOADER_CALLS[last]
+            self.renamed[new] = name
+            return updated.with_changes(func=cst.Name(new))
+        return updated
+
+
+def patch_loader(data: bytes, module: cst.Module, tpl: Template, rel: str = "") -> UtilsResult:
+    """Insert dsfix's loader right before create_critic_model, and make that function read the step-2
+    folder through it: safetensors first, else the .bin with weights_only=True."""
+    info = find_marker(module)
+    base = unpatch_loader(module) if info else module
+    at = next((i for i, s in enumerate(base.body) if isinstance(s, cst.FunctionDef)
+               and s.name.value == LOADER_FUNCTION), None)
+    if at is None:
+        raise DsfixError(f"has no top-level function {LOADER_FUNCTION} (step 3's critic loader) to adapt")
+    editor = _LoaderCalls()
+    fn = base.body[at].visit(editor)
+    if "_dsfix_load_checkpoint" not in editor.renamed:
+        raise DsfixError(f"{LOADER_FUNCTION} loads no checkpoint with torch.load; dsfix does not know how it reads "
+                         "the step-2 output")
+    body = list(base.body)
+    body[at:at + 1] = [cst.SimpleStatementLine([cst.Expr(cst.Name(_PLACEHOLDER))]), fn]
+    new, added = _add_imports(base.with_changes(body=body), tpl.imports)
+    notes = [f"{LOADER_FUNCTION}: {old}(...) -> {new_name}(...)" for new_name, old in editor.renamed.items()]
+    if added:
+        notes.append("added imports: " + ", ".join(s.source() for s in added))
+    if info and info.get("added-imports"):
+        before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")]
+        added = before + [a for a in added if a not in before]
+    marker = make_marker(tpl.version, None, added, [], editor.renamed)
+    code = _with_block(new, _in_style("\n\n" + marker + "\n" + tpl.text({}), new.default_indent, new.default_newline))
+    try:
+        out = code.encode(module.encoding)
+    except UnicodeEncodeError as e:
+        raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
+    return UtilsResult(out, notes if out != data else [], {})
+
+
+def unpatch_loader(module: cst.Module) -> cst.Module:
+    """Remove dsfix's loader block and its imports, and give create_critic_model its calls back."""
+    info = find_marker(module)
+    if info is None:
+        return module
+    back = dict(pair.split(":", 1) for pair in (info.get("calls") or "").split(",") if ":" in pair)
+    new = unpatch_utils(module)
+    body = [s.visit(_LoaderCalls(back)) if isinstance(s, cst.FunctionDef) and s.name.value == LOADER_FUNCTION else s
+            for s in new.body]
+    return new.with_changes(body=body)
 
 
 # ----------------------------------------------------------------------------- main.py

@@ -135,14 +135,15 @@ def test_older_template_block_is_upgraded_and_revert_still_restores_the_original
     assert snapshot(co) == before
 
 
-def test_step2_needs_asking_and_warns_about_step3(tmp_path):
+def test_step2_needs_asking_and_brings_step3s_loader(tmp_path):
     co = copy_fixture("package", tmp_path)
     code, diff, _ = cli("check", co)
     assert b"step2_reward_model_finetuning" not in diff
     p = run("check", co, "--steps", "1,2")
     assert p.returncode == 1 and b"step2_reward_model_finetuning/main.py" in p.stdout
     assert b"step1_supervised_finetuning/main.py" in p.stdout
-    assert b"pytorch_model.bin" in p.stderr and b"step 3" in p.stderr
+    assert b"dschat/utils/model/model_utils.py" in p.stdout, "step 3's loader is patched with step 2"
+    assert b"warning" not in p.stderr
     p = run("check", co, "--steps", "2")  # step 1 is patched only when listed
     assert b"step2_reward_model_finetuning/main.py" in p.stdout and b"step1_supervised" not in p.stdout
     p = run("apply", co, "--steps", "1,2")
