@@ -18,12 +18,15 @@ parameter means is read from the original definition:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 
 import libcst as cst
 
+from patcher import calls
 from patcher.errors import DsfixError
 from patcher.names import CORE, RENAMES
 from patcher.template import dotted
@@ -265,14 +268,19 @@ def _where(fn: cst.FunctionDef, rel: str, line: int) -> tuple:
     return stmts, code(folder), set(taken), at
 
 
-def _writes(fn: cst.FunctionDef) -> tuple:
-    """(what the function saves: a subset of {"weights", "config", "tokenizer"}, whether it drops LoRA keys)."""
+def _writes(fn: ast.FunctionDef) -> tuple:
+    """(what the function saves: a subset of {"weights", "config", "tokenizer"}, whether it drops LoRA keys),
+    read with ast (a libcst pass over the body costs ten times more)."""
     out, lora = set(), False
-    for call in _calls(fn.body):
-        name = _dotted(call.func)
-        method = name.split(".")[-1] if name else (call.func.attr.value if isinstance(call.func, cst.Attribute) else "")
-        receiver = name.rsplit(".", 1)[0].lower() if "." in name else ""
-        first = code(call.args[0].value) if call.args else ""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "lora" in node.value.lower():
+            lora = True
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        method = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        receiver = ast.unparse(func.value).lower() if isinstance(func, ast.Attribute) else ""
+        first = ast.unparse(node.args[0]) if node.args else ""
         if method in ("save", "save_file", "save_model", "save_checkpoint") and "args" not in first or (
                 method == "save_pretrained" and "tokenizer" not in receiver and "config" not in receiver):
             out.add("weights")  # (torch.save(vars(args), ...) saves the options, not weights)
@@ -280,18 +288,10 @@ def _writes(fn: cst.FunctionDef) -> tuple:
             out.add("config")
         if "tokenizer" in receiver and method in ("save_vocabulary", "save_pretrained"):
             out.add("tokenizer")
-    strings = []
-
-    class V(cst.CSTVisitor):
-        def visit_SimpleString(self, node):
-            strings.append(node.value)
-
-    fn.body.visit(V())
-    lora = any("lora" in s.lower() for s in strings)
     return frozenset(out), lora
 
 
-def read_def(fn: cst.FunctionDef, rel: str, line: int) -> SaveDef:
+def read_def(fn: cst.FunctionDef, rel: str, line: int, fn_ast: ast.FunctionDef = None) -> SaveDef:
     """What dsfix's replacement of ``fn`` must take, pass and copy; refuses what it cannot carry over."""
     name = fn.name.value
     params = _params(fn)
@@ -299,7 +299,7 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int) -> SaveDef:
     if not positional:
         raise DsfixError(f"{name} takes no positional model parameter", path=rel, line=line)
     where, folder, taken, _ = _where(fn, rel, line)
-    writes, drops_lora = _writes(fn)
+    writes, drops_lora = _writes(fn_ast or ast.parse(code(fn)).body[0])
     if name == "save_hf_format" and "weights" not in writes:
         raise DsfixError(f"{name} saves no weights (no torch.save, save_file or save_pretrained of the model in "
                          "it): there is nothing in it for dsfix to turn into safetensors", path=rel, line=line)
@@ -358,6 +358,7 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int) -> SaveDef:
                    drops_lora=drops_lora)
 
 
+@functools.lru_cache(maxsize=None)
 def default_def(name: str) -> SaveDef:
     """Upstream's definition, for a checkout that lacks the function (its replacement is the template's)."""
     sigs = {
@@ -379,12 +380,16 @@ def default_def(name: str) -> SaveDef:
 def find_defs(module: cst.Module, rel: str, data: bytes = b"") -> dict:
     """name -> SaveDef for the save functions ``module`` defines at top level (upstream's when missing)."""
     found = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef) and s.name.value in RENAMES}
+    try:
+        tree = calls.parse(data)[0] if data else None
+    except (SyntaxError, UnicodeDecodeError, LookupError, ValueError):
+        tree = None
+    nodes = {n.name: n for n in (tree.body if tree else ()) if isinstance(n, ast.FunctionDef)}
     out = {}
     for name in RENAMES:
         if name in found:
-            m = re.search(rb"^def\s+" + name.encode() + rb"\s*\(", data, re.M)
-            line = data.count(b"\n", 0, m.start()) + 1 if m else None
-            out[name] = read_def(found[name], rel, line)
+            fn_ast = nodes.get(name)
+            out[name] = read_def(found[name], rel, fn_ast.lineno if fn_ast else None, fn_ast)
         else:
             out[name] = default_def(name)
     return out
