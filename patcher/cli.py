@@ -146,7 +146,8 @@ def _print_files(outcome) -> None:
 
 def _finish(outcome, as_json: bool) -> None:
     """The human summary on stderr, the JSON result on stdout if asked, then the outcome's exit code."""
-    where = f"{outcome.layout} layout" if outcome.layout else "as recorded in its state folder"
+    where = {None: "as recorded in its state folder", "marked": "found by dsfix's marker lines"}.get(
+        outcome.layout, f"{outcome.layout} layout")
     err.print(f"dsfix {outcome.verb}: {outcome.root} ({where})")
     _print_files(outcome)
     err.print(outcome.message)

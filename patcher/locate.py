@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.errors import DsfixError
-from patcher.names import SAVE_NAMES
+from patcher.names import PUBLIC_NAMES, SAVE_NAMES
 from patcher.resolve import resolve_script
 
 STEP_DIRS = {
@@ -160,9 +160,10 @@ def _remembered(start: Path):
         scripts = [root / s for s in data.get("scripts", ())]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not main.is_file() or main == root / STEP_MAIN[1]:
+    scripts = [s for s in scripts if s.is_file()]
+    if not main.is_file() or (main == root / STEP_MAIN[1] and not scripts):
         return None
-    return root, main, [s for s in scripts if s.is_file()]
+    return root, main, scripts
 
 
 def _chat_roots_below(start: Path, depth: int = 4) -> list:
@@ -189,6 +190,42 @@ def find_state_root(repo: str | os.PathLike = ".") -> Path | None:
         if (d / ".dsfix" / "state.json").is_file() or any(d.glob(".dsfix.old-*")):
             return d
     return None
+
+
+def find_patched(root: Path, depth: int = 5, limit: int = 3000) -> list:
+    """[(path, role, modules)] of what an earlier apply changed under ``root``, read from the files alone (for a
+    revert without the state folder): utils.py and model_utils.py with dsfix's marker line, and every script
+    that calls dsfix's functions imported from that utils.py, wherever it is (--main and --script ones too)."""
+    marked, scripts, seen = [], [], 0
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
+        if len(Path(d).parts) - len(root.parts) >= depth:
+            dirs[:] = []
+        for f in sorted(files):
+            if not f.endswith(".py"):
+                continue
+            seen += 1
+            if seen > limit:
+                break
+            path = Path(d) / f
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            if b"# dsfix: template=" in data:
+                marked.append((path, "loader" if b"kind=loader" in data else "utils"))
+            elif any(f"{n}(".encode() in data for n in PUBLIC_NAMES):
+                scripts.append(path)
+    utils = [p for p, role in marked if role == "utils"]
+    out = [(p, "utils", ()) for p in utils[:1]] + [(p, role, ()) for p, role in marked if role == "loader"]
+    for script in scripts:
+        try:
+            res = resolve_script(script, script.read_bytes(), root)
+        except (DsfixError, OSError):
+            continue
+        if utils and res.utils is not None and res.utils.resolve() == utils[0].resolve():
+            out.append((script, "script", res.modules))
+    return out
 
 
 def _given(p, option) -> Path:

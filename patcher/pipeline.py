@@ -11,7 +11,7 @@ from patcher import plan as planner
 from patcher import state as st
 from patcher.diff import stat, unified_diff
 from patcher.errors import OK, PENDING, DsfixError
-from patcher.locate import Checkout, find_checkout, find_state_root
+from patcher.locate import Checkout, find_checkout, find_patched, find_state_root
 from patcher.plan import Status, Target
 from patcher.template import load_template
 
@@ -74,9 +74,12 @@ def _targets(co: Checkout, steps, strict: bool = True) -> list:
 
 
 def _display_path(root: Path, rel: str) -> str:
-    """The path relative to the current folder, as check's diff shows it (falls back to the checkout root)."""
+    """The path check's diff shows. In a git repository, relative to its top, as `git diff` writes them, so
+    `git apply` takes the diff from any folder of the repository; else relative to the current folder,
+    falling back to the checkout root."""
+    top = next((d for d in (root, *root.parents) if (d / ".git").exists()), None)
     try:
-        shown = os.path.relpath(root / rel, Path.cwd())
+        shown = os.path.relpath(root / rel, top if top is not None else Path.cwd())
     except ValueError:
         return rel
     return rel if shown.startswith("..") else Path(shown).as_posix()
@@ -118,14 +121,18 @@ def apply(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) 
         return out
 
 
-def revert(repo=".", force: bool = False, steps=(1, 2, 3), main=None, scripts=()) -> Outcome:
+def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
     """With the state folder (found at or above ``repo``), the files it records; without, a structural undo
-    of every target of the located checkout."""
+    of what dsfix changed, found in the files themselves (see locate.find_patched)."""
     root = find_state_root(repo)
     co = None
     if root is None:
-        co = find_checkout(repo, main, scripts)
-        root = co.root
+        try:
+            co = find_checkout(repo, main, scripts)
+            root = co.root
+        except DsfixError:  # a layout only --main could name, say: the files still tell what dsfix changed
+            root = Path(repo).resolve()
+            root = root if root.is_dir() else root.parent
     with st.lock(root):
         st.recover(root)
         saved = st.load(root)
@@ -134,9 +141,17 @@ def revert(repo=".", force: bool = False, steps=(1, 2, 3), main=None, scripts=()
                        for rel, e in sorted(saved.entries.items())]
             layout = None
         else:
-            co = co or find_checkout(repo, main, scripts)
-            targets = _targets(co, [s for s in co.step_mains if s in steps], strict=False)
-            layout = co.layout
+            targets = _targets(co, list(co.step_mains), strict=False) if co is not None else []
+            known = {t.rel for t in targets}
+            for path, role, modules in find_patched(root):
+                rel = Path(os.path.relpath(path, root)).as_posix()
+                if rel not in known:
+                    targets.append(Target(rel, role, st.read_bytes(path, rel), tuple(modules)))
+            targets.sort(key=lambda t: t.role != "utils")
+            layout = co.layout if co is not None else "marked"
+            if not targets:
+                out = Outcome("revert", root, layout, message="nothing to revert: no dsfix patch found")
+                return out
         plan = planner.plan_revert(targets, saved, force, load_template)
         out = Outcome("revert", root, co.layout if co else layout)
         for r in plan.results:
