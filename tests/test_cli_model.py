@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from conftest_smoke import NARROW, broken_code, make_checkout, narrow_model
+from smokekit import NARROW, broken_code, make_checkout, narrow_model
 from patchkit import FIXTURES, cli, copy_fixture, run
 
 

@@ -30,7 +30,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from conftest_smoke import NARROW, narrow_model, utils_source  # noqa: E402
+from smokekit import NARROW, narrow_model, utils_source  # noqa: E402
 from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
 from patcher.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest_smoke import NARROW, TEMPLATE, broken_code, make_checkout, narrow_model, quiet_console  # noqa: E402
+from smokekit import NARROW, TEMPLATE, broken_code, make_checkout, narrow_model, quiet_console  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
 from patcher.smoke import run_smoke  # noqa: E402
 from patcher.smoke_worker import extract_definitions, make_tiny_tokenizer  # noqa: E402

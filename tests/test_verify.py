@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from conftest_smoke import BROKEN, FULL, NARROW, make_checkout, narrow_model, quiet_console  # noqa: E402
+from smokekit import BROKEN, FULL, NARROW, make_checkout, narrow_model, quiet_console  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
 from patcher.verify import VerifyReport, verify_folder  # noqa: E402
 

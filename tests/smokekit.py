@@ -1,4 +1,4 @@
-"""Helpers shared by test_verify.py and test_smoke.py (imported by them; not a conftest plugin).
+"""Helpers shared by test_verify.py, test_smoke.py, test_cli_model.py and test_convert.py (imported by them).
 
 ``make_checkout`` writes a tiny DeepSpeed-Chat-shaped checkout: an upstream-like utils.py (written
 here, not copied from upstream) followed by the code under test, plus a stub step-1 main.py.
