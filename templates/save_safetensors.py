@@ -1,8 +1,4 @@
-"""dsfix: save DeepSpeed-Chat models as safetensors, tied weights included.
-
-dsfix inserts the statements below (not this docstring) into DeepSpeed-Chat's ``utils.py``, right
-after ``save_hf_format``. They import DeepSpeed only inside the ZeRO-3 path, never transformers.
-"""
+"""dsfix's save, inserted (all but this docstring) into DeepSpeed-Chat's utils.py after save_hf_format."""
 import json
 import os
 import sys
@@ -47,9 +43,7 @@ def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_sh
     partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
     rank = global_rank or 0
     if rank == 0:
-        os.makedirs(output_dir, exist_ok=True)
-        _dsfix_save_config(module, output_dir)
-        _dsfix_save_tokenizer(tokenizer, output_dir)
+        _dsfix_save_config_and_tokenizer(module, tokenizer, output_dir)
     if partitioned and global_rank is None:
         _dsfix_print("ZeRO-3 parameters are partitioned: wrote config and tokenizer to %s; the weights are "
                      "written by save_zero_three_model_safetensors" % (os.path.normpath(output_dir),))
@@ -65,30 +59,29 @@ def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3
         ready = torch.distributed.is_available() and torch.distributed.is_initialized()
         global_rank = torch.distributed.get_rank() if ready else 0
     if global_rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        _dsfix_save_tokenizer(tokenizer, save_dir)
+        _dsfix_save_config_and_tokenizer(None, tokenizer, save_dir)
     if zero_stage == 3 or global_rank == 0:
         _dsfix_save_weights(_dsfix_unwrap(model), save_dir, global_rank, zero_stage == 3, max_shard_size,
                             strategy, gather_bucket_mb, parallel_write)
 
 
 def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy, bucket_mb, parallel):
-    """Plans the files; all ranks stream the tensors (gathering under ZeRO-3); rank 0 verifies, renames."""
-    strategy = strategy or _DSFIX_STRATEGY
-    limit = _DSFIX_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
-    if strategy not in ("clone", "dedupe") or isinstance(limit, str) or int(limit) <= 0:
-        raise ValueError("dsfix: strategy must be clone or dedupe (not %r) and max_shard_size a positive "
-                         "number of bytes (not %r)" % (strategy, limit))
+    """Plans the files; every rank streams its tensors (all gathering under ZeRO-3); rank 0 checks the
+    files, renames them into place and writes the index. A failure leaves no new weight file behind."""
+    strategy, limit = strategy or _DSFIX_STRATEGY, _DSFIX_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+    if strategy not in ("clone", "dedupe"):
+        raise ValueError('dsfix: strategy must be "clone" or "dedupe", not %r' % (strategy,))
+    if isinstance(limit, str) or int(limit) <= 0:
+        raise ValueError("dsfix: max_shard_size must be a positive number of bytes, not %r" % (limit,))
     if sys.byteorder != "little":
         raise RuntimeError("dsfix: safetensors files are little-endian; this machine is not")
     entries, notes = _dsfix_plan(module, strategy, gather)
     collective = any(e["param"] is not None for e in entries)  # ZeRO-3: every rank is here
     world = torch.distributed.get_world_size() if collective and torch.distributed.is_initialized() else 1
-    if bucket_mb is None:
-        bucket_mb = float(os.environ.get("DSFIX_GATHER_BUCKET_MB", _DSFIX_GATHER_BUCKET_MB))
+    bucket_mb = os.environ.get("DSFIX_GATHER_BUCKET_MB", _DSFIX_GATHER_BUCKET_MB) if bucket_mb is None else bucket_mb
     if parallel is None:
         parallel = os.environ.get("DSFIX_PARALLEL_WRITE", "0").lower() in ("1", "true", "yes")
-    settings = [int(bucket_mb * 1024**2), bool(parallel), os.getpid()]
+    settings = [int(float(bucket_mb) * 1024**2), bool(parallel), os.getpid()]
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
         _dsfix_remove_weight_files(out_dir, None)  # temporary files of a killed earlier save
@@ -96,8 +89,7 @@ def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy,
             _dsfix_print(note)
     if world > 1:  # rank 0's settings for all: every rank must make the same gathers and files
         torch.distributed.broadcast_object_list(settings, src=0)
-    buckets = _dsfix_buckets(entries, settings[0])
-    files = _dsfix_layout(buckets, int(limit), world if settings[1] else 1)
+    buckets, files = _dsfix_layout(entries, settings[0], int(limit), world if settings[1] else 1)
     parallel = any(f["rank"] for f in files)
     for f in files:
         f["tmp"] = os.path.join(out_dir, ".%s.%d%s" % (f["name"], settings[2], _DSFIX_TMP_SUFFIX))
@@ -116,18 +108,18 @@ def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy,
         for f in files:
             os.replace(f["tmp"], os.path.join(out_dir, f["name"]))
         index = os.path.join(out_dir, "model.safetensors.index.json")
-        if len(files) > 1:
+        if len(files) > 1:  # written last: the shards are all in place when it appears
             data = {"metadata": {"total_size": sum(f["size"] for f in files)},
                     "weight_map": dict((e["name"], f["name"]) for f in files for e in f["entries"])}
-            _dsfix_write_atomic(index, lambda tmp: _dsfix_write_json(tmp, data))
+            _dsfix_write_atomic(index, text=json.dumps(data, indent=2) + "\n")
         _dsfix_fsync(out_dir)
     except BaseException:
         for f in files:
             if f["rank"] == rank or rank == 0:
                 _dsfix_remove(f["tmp"])
         raise
-    keep = [f["name"] for f in files] + ["model.safetensors.index.json"] * (len(files) > 1)
-    for name in _dsfix_remove_weight_files(out_dir, keep):
+    for name in _dsfix_remove_weight_files(out_dir, [f["name"] for f in files] + [os.path.basename(index)] * (
+            len(files) > 1)):
         _dsfix_print("removed stale %s" % (os.path.join(out_dir, name),))
     _dsfix_print("saved weights to %s" % (os.path.join(out_dir, files[0]["name"]) if len(files) == 1 else
                  "%s (%d shards%s)" % (index, len(files), ", written by %d ranks" % world if parallel else "")))
@@ -138,7 +130,8 @@ def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy,
 
 
 def _dsfix_plan(module, strategy, gather):
-    """([entry], notes): the tensors to write, in state_dict order, LoRA keys dropped as upstream does.
+    """([entry], notes): the tensors to write in state_dict order (but a ZeRO-3 parameter's alias follows it),
+    LoRA keys dropped as upstream does.
     Sharing is found by overlapping byte ranges of one storage, as safetensors does; ``dedupe`` leaves
     out exact aliases. An entry: name, param (a ZeRO-3 parameter to gather) or tensor, shape,
     real_shape (``ds_shape`` under ZeRO-3), dtype, st_dtype, nbytes."""
@@ -172,53 +165,48 @@ def _dsfix_plan(module, strategy, gather):
                           "view)") % (name, alias) + ": written as its own copy")
         param = source if gather and partitioned else None
         shape = real_shape if param is not None else tuple(int(d) for d in value.shape)
-        dtype = source.dtype
-        if shape != real_shape:  # the catch that matters: ZeRO-3's empty placeholders, before a byte is written
+        if shape != real_shape:  # ZeRO-3's empty placeholders, caught before a byte is written
             raise RuntimeError("[dsfix] verification failed: %s is empty %s but the model holds %s (a ZeRO-3 "
                                "placeholder saved without gathering?); nothing written" % (
                                    name, list(shape), list(real_shape)))
-        if str(dtype).split(".")[-1] not in _DSFIX_DTYPES:
-            raise ValueError("dsfix: safetensors cannot store dtype %s (%s)" % (dtype, name))
-        entries.append({"name": name, "param": param, "tensor": value, "shape": shape, "real_shape": real_shape,
-                        "dtype": dtype, "st_dtype": _DSFIX_DTYPES[str(dtype).split(".")[-1]],
-                        "nbytes": torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()})
+        if str(source.dtype).split(".")[-1] not in _DSFIX_DTYPES:
+            raise ValueError("dsfix: safetensors cannot store dtype %s (%s)" % (source.dtype, name))
+        at = len(entries)
+        if param is not None and alias is not None:  # right after the parameter it aliases: one gather for both
+            at = 1 + max(i for i, e in enumerate(entries) if e["param"] is param)
+        entries.insert(at, {"name": name, "param": param, "tensor": value, "shape": shape, "real_shape": real_shape,
+                            "dtype": source.dtype, "st_dtype": _DSFIX_DTYPES[str(source.dtype).split(".")[-1]],
+                            "nbytes": torch.Size(shape).numel() * torch.empty((), dtype=source.dtype).element_size()})
     return entries, notes
 
 
-def _dsfix_buckets(entries, budget):
-    """Runs of entries gathered together: whole modules, packed up to ``budget`` bytes (a bigger module
-    alone); ``budget`` 0: one entry at a time."""
+def _dsfix_layout(entries, bucket_bytes, limit, writers):
+    """(buckets, files). A bucket, gathered at once: whole modules packed up to ``bucket_bytes`` (a bigger
+    module alone; 0: one parameter each). A file: rank, name, entries, header, size. One writer: runs in
+    state_dict order up to ``limit`` bytes. Several, when one file would not do: each entry goes to the
+    rank with the fewest bytes in its bucket (then in all), so each bucket's writes are spread."""
     buckets, size, owner = [], 0, None
     for entry in entries:
         module = entry["name"].rpartition(".")[0]
-        if not buckets or budget <= 0 or (module != owner and size + entry["nbytes"] > budget):
+        if buckets and entry["param"] is not None and entry["param"] is buckets[-1][-1]["param"]:
+            pass  # an alias stays with its parameter
+        elif not buckets or bucket_bytes <= 0 or (module != owner and size + entry["nbytes"] > bucket_bytes):
             buckets.append([])
             size = 0
         buckets[-1].append(entry)
         size, owner = size + entry["nbytes"], module
-    return buckets
-
-
-def _dsfix_layout(buckets, limit, writers):
-    """[file]: rank, name, entries, header, size. One writer: runs in state_dict order under ``limit`` bytes.
-    Several, when one file would not do: each entry goes to the rank with the fewest bytes in its bucket
-    (then in all), so each bucket's writes are spread over the ranks; each rank's run is split likewise."""
-    entries = [e for bucket in buckets for e in bucket]
-    if sum(e["nbytes"] for e in entries) <= limit or len(entries) < 2:
-        writers = 1
+    writers = writers if sum(e["nbytes"] for e in entries) > limit and len(entries) > 1 else 1
     total, runs = [0] * writers, [[] for _ in range(writers)]
     for bucket in buckets:
         here = [0] * writers
         for entry in bucket:
             rank = min(range(writers), key=lambda r: (here[r], total[r]))
             runs[rank].append(entry)
-            here[rank] += entry["nbytes"]
-            total[rank] += entry["nbytes"]
+            here[rank], total[rank] = here[rank] + entry["nbytes"], total[rank] + entry["nbytes"]
     files = [] if entries else [{"rank": 0, "entries": [], "size": 0}]
     for rank, run in enumerate(runs):
         for entry in run:
-            last = files[-1] if files else None
-            if last is None or last["rank"] != rank or (last["entries"] and last["size"] + entry["nbytes"] > limit):
+            if not files or files[-1]["rank"] != rank or files[-1]["size"] + entry["nbytes"] > limit:
                 files.append({"rank": rank, "entries": [], "size": 0})
             files[-1]["entries"].append(entry)
             files[-1]["size"] += entry["nbytes"]
@@ -233,7 +221,7 @@ def _dsfix_layout(buckets, limit, writers):
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
         text += b" " * (-len(text) % 8)
         f["header"] = len(text).to_bytes(8, "little") + text
-    return files
+    return buckets, files
 
 
 def _dsfix_stream(files, buckets, rank, gather):
@@ -244,7 +232,8 @@ def _dsfix_stream(files, buckets, rank, gather):
 
     def attempt(step, *args):
         try:
-            return errors or step(*args)
+            if not errors:
+                step(*args)
         except Exception as exc:
             if gather is None:
                 raise
@@ -279,7 +268,7 @@ def _dsfix_stream(files, buckets, rank, gather):
     return errors[0] if errors else None
 
 
-def _dsfix_gather(bucket, write):
+def _dsfix_gather(bucket, then):
     """ZeRO-3: gathers the bucket's partitioned parameters on every rank (a collective), then writes."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -287,9 +276,9 @@ def _dsfix_gather(bucket, write):
     params = dict((id(e["param"]), e["param"]) for e in bucket if e["param"] is not None and
                   e["param"].ds_status == ZeroParamStatus.NOT_AVAILABLE)
     if not params:
-        return write()
+        return then()
     with deepspeed.zero.GatheredParameters(list(params.values())):
-        return write()
+        return then()
 
 
 def _dsfix_write_tensor(handle, tensor, entry):
@@ -303,41 +292,35 @@ def _dsfix_write_tensor(handle, tensor, entry):
 
 
 def _dsfix_verify(files, expected):
-    """Checks the headers of ``files`` [(path, name shown)] against ``expected`` {name: (shape, dtype)};
-    safe_open checks each file's length. Returns the tensor count."""
-    found = {}
+    """Checks the headers of ``files`` [(path, name shown)] against ``expected`` {name: (shape, dtype)}
+    (safe_open checks that each file is as long as its header says); returns the tensor count."""
+    found, problems = {}, []
     for path, shown in files:
         with safe_open(path, framework="pt"), open(path, "rb") as handle:
             header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        header.pop("__metadata__", None)
-        found.update((key, (tuple(info["shape"]), info["dtype"], shown)) for key, info in header.items())
-    problems = ["%s %d tensor(s): %s" % (what, len(keys), ", ".join(keys[:10])) for what, keys in (
-        ("missing", [k for k in expected if k not in found]), ("unexpected", [k for k in found if k not in expected]))
-        if keys]
+        found.update((k, (tuple(v["shape"]), v["dtype"], shown)) for k, v in header.items() if k != "__metadata__")
+    for what, keys in (("missing", [k for k in expected if k not in found]),
+                       ("unexpected", [k for k in found if k not in expected])):
+        problems += ["%s %d tensor(s): %s" % (what, len(keys), ", ".join(keys[:10]))] if keys else []
     for key, (shape, dtype, shown) in found.items():
         want_shape, want_dtype = expected.get(key, (shape, dtype))
         if shape != tuple(want_shape):
-            problems.append("%s has shape %s in %s but the model holds %s" % (key, list(shape), shown,
-                                                                              list(want_shape)))
+            problems.append("%s has shape %s in %s but the model holds %s" % (key, list(shape), shown, list(want_shape)))
         if dtype != want_dtype:
             problems.append("%s is %s in %s but the model holds %s" % (key, dtype, shown, want_dtype))
     if problems:
-        raise RuntimeError("[dsfix] verification failed: %d problem(s):\n  - %s" % (
-            len(problems), "\n  - ".join(problems[:20])))
+        raise RuntimeError("[dsfix] verification failed: %d problem(s):\n  - %s" % (len(problems),
+                                                                                 "\n  - ".join(problems[:20])))
     return len(found)
 
 
-def _dsfix_save_config(module, out_dir):
-    config = getattr(module, "config", None)
-    if config is None:
+def _dsfix_save_config_and_tokenizer(module, tokenizer, out_dir):
+    """config.json (when ``module`` is given) and the tokenizer (when given) into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    if module is not None and getattr(module, "config", None) is None:
         _dsfix_print("%s has no config; config.json not written" % (type(module).__name__,))
-    elif hasattr(config, "to_json_file"):
-        _dsfix_write_atomic(os.path.join(out_dir, "config.json"), config.to_json_file)
-    else:
-        config.save_pretrained(out_dir)
-
-
-def _dsfix_save_tokenizer(tokenizer, out_dir):
+    elif module is not None:
+        _dsfix_write_atomic(os.path.join(out_dir, "config.json"), module.config.to_json_file)
     try:
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
@@ -348,21 +331,20 @@ def _dsfix_save_tokenizer(tokenizer, out_dir):
         tokenizer.save_vocabulary(out_dir)
 
 
-def _dsfix_write_atomic(path, write):
-    """``write(temporary path)``, fsync, rename onto ``path``; no temporary file is left on failure."""
+def _dsfix_write_atomic(path, write=None, text=None):
+    """``write(temporary path)`` (or ``text`` into it), fsync, rename onto ``path``; nothing left on failure."""
     tmp = os.path.join(os.path.dirname(path), ".%s.%d%s" % (os.path.basename(path), os.getpid(), _DSFIX_TMP_SUFFIX))
     try:
-        write(tmp)
+        if text is None:
+            write(tmp)
+        else:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(text)
         _dsfix_fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         _dsfix_remove(tmp)
         raise
-
-
-def _dsfix_write_json(path, data):
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2)
 
 
 def _dsfix_remove_weight_files(out_dir, keep):
@@ -407,7 +389,7 @@ def _dsfix_unwrap(model):
         inner = getattr(model, "module", None)
         inner = inner if isinstance(inner, torch.nn.Module) else getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):
-            return model
+            break
         model = inner
     return model
 

@@ -252,7 +252,7 @@ def test_default_shard_size_keeps_full_qwen3_in_one_file():
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     entries, _ = T._dsfix_plan(model, "clone", gather=False)
-    files = T._dsfix_layout(T._dsfix_buckets(entries, 0), T._DSFIX_MAX_SHARD_SIZE, 1)
+    _, files = T._dsfix_layout(entries, 0, T._DSFIX_MAX_SHARD_SIZE, 1)
     assert len(entries) == QWEN3_KEYS and len(files) == 1 and files[0]["name"] == "model.safetensors"
     assert 1.4e9 < files[0]["size"] < 1.6e9  # ~1.5 GB with the cloned lm_head
 
@@ -488,8 +488,7 @@ def test_collective_write_error_still_visits_every_entry(tmp_path, tiny_qwen3, m
     # Under ZeRO-3 every bucket is a gather that all ranks must enter: an error on the
     # writer is deferred until the last bucket, then returned, and the caller removes the files.
     entries, _ = T._dsfix_plan(tiny_qwen3, "clone", gather=False)
-    buckets = T._dsfix_buckets(entries, 20_000)
-    files = T._dsfix_layout(buckets, 500_000, 1)
+    buckets, files = T._dsfix_layout(entries, 20_000, 500_000, 1)
     for f in files:
         f["tmp"] = str(tmp_path / (".%s.1%s" % (f["name"], T._DSFIX_TMP_SUFFIX)))
     visited = []
@@ -518,6 +517,23 @@ def test_collective_write_error_leaves_no_file(tmp_path, tiny_qwen3, monkeypatch
                                        max_shard_size=500_000, gather_bucket_mb=0.02)
     assert sum(calls) == QWEN3_KEYS and len(calls) < QWEN3_KEYS
     assert os.listdir(tmp_path) == []
+
+
+def test_parallel_layout_spreads_every_bucket_over_the_ranks(tiny_qwen3):
+    entries, _ = T._dsfix_plan(tiny_qwen3, "clone", gather=False)
+    buckets, files = T._dsfix_layout(entries, 300_000, 200_000, 4)
+    assert [e["name"] for b in buckets for e in b] == [e["name"] for e in entries]
+    assert sorted(e["name"] for f in files for e in f["entries"]) == sorted(e["name"] for e in entries)
+    assert all(files[e["file"]] is f for f in files for e in f["entries"])
+    assert {f["rank"] for f in files} == {0, 1, 2, 3}
+    assert all(f["size"] <= 200_000 or len(f["entries"]) == 1 for f in files)
+    assert len(files) == len({f["name"] for f in files}) and files[-1]["name"].endswith("-of-%05d.safetensors"
+                                                                                         % len(files))
+    for bucket in buckets:  # each bucket's writes are spread: no rank waits on another's whole bucket
+        assert len({files[e["file"]]["rank"] for e in bucket}) == min(4, len(bucket))
+    # A model that fits in one file is written by rank 0 alone, whatever the number of ranks.
+    _, files = T._dsfix_layout(entries, 300_000, T._DSFIX_MAX_SHARD_SIZE, 4)
+    assert [(f["rank"], f["name"]) for f in files] == [(0, "model.safetensors")]
 
 
 def test_failed_save_keeps_previous_good_file(tmp_path, tiny_qwen3, tiny_qwen3_helper, monkeypatch):
