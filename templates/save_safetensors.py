@@ -68,7 +68,8 @@ def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3
 def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy, bucket_mb, parallel):
     """Plans the files; every rank streams its tensors (all gathering under ZeRO-3); rank 0 checks the
     files, renames them into place and writes the index. A failure leaves no new weight file behind."""
-    strategy, limit = strategy or _DSFIX_STRATEGY, _DSFIX_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+    strategy = strategy or _DSFIX_STRATEGY
+    limit = _DSFIX_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
     if strategy not in ("clone", "dedupe"):
         raise ValueError('dsfix: strategy must be "clone" or "dedupe", not %r' % (strategy,))
     if isinstance(limit, str) or int(limit) <= 0:
@@ -130,11 +131,10 @@ def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy,
 
 
 def _dsfix_plan(module, strategy, gather):
-    """([entry], notes): the tensors to write in state_dict order (but a ZeRO-3 parameter's alias follows it),
-    LoRA keys dropped as upstream does.
-    Sharing is found by overlapping byte ranges of one storage, as safetensors does; ``dedupe`` leaves
-    out exact aliases. An entry: name, param (a ZeRO-3 parameter to gather) or tensor, shape,
-    real_shape (``ds_shape`` under ZeRO-3), dtype, st_dtype, nbytes."""
+    """([entry], notes): the tensors to write, in state_dict order but for a ZeRO-3 parameter's alias, which
+    follows it; LoRA keys are dropped as upstream does. Sharing is found by overlapping byte ranges of one
+    storage, as safetensors does; ``dedupe`` leaves out exact aliases. An entry: name, param (a ZeRO-3
+    parameter to gather) or tensor, shape, real_shape (``ds_shape`` under ZeRO-3), dtype, st_dtype, nbytes."""
     params = dict(module.named_parameters(remove_duplicate=False))
     buffers = dict(module.named_buffers(remove_duplicate=False))
     entries, notes, seen, spans = [], [], {}, {}
@@ -259,7 +259,11 @@ def _dsfix_stream(files, buckets, rank, gather):
             attempt(start, f)
         for bucket in buckets:
             own = [e for e in bucket if files[e["file"]]["rank"] == rank]
-            (gather or (lambda _, then: then()))(bucket, lambda: [attempt(write, e) for e in own])
+            if gather is None:
+                for entry in own:
+                    attempt(write, entry)
+            else:
+                gather(bucket, lambda: [attempt(write, entry) for entry in own])
         for f in mine:
             attempt(finish, f)
     finally:
@@ -363,17 +367,16 @@ def _dsfix_remove_weight_files(out_dir, keep):
 
 
 def _dsfix_fsync(path):
+    """fsync a file, or a folder where the system allows it (Windows cannot open one)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # Windows cannot open a folder
-    try:
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError:
         if not os.path.isdir(path):
             raise
-    finally:
-        os.close(fd)
 
 
 def _dsfix_remove(path):
