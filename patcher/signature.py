@@ -410,6 +410,10 @@ def generate(sd: SaveDef, docstring: str, indent: str = "    ") -> str:
     taken = {p.name for p in sd.params}
     for key, value in passed.items():
         args.append(f"{key}={value}")
+    if not sd.drops_lora:  # the fork's own save keeps LoRA weights: so does dsfix's
+        args.append("keep_lora=True")
+    if sd.name == "save_zero_three_model" and "config" in sd.writes:  # the fork's ZeRO-3 save writes config.json
+        args.append("with_config=True")
     for e in EXTRAS:
         args.append(f"{e}={e}" if e not in taken else f"{e}=None")
     lines = [sd.header(new), f"{indent}{docstring}"]

@@ -36,9 +36,10 @@ def save_zero_three_model_safetensors(model_ema, global_rank, save_dir, zero_sta
 
 
 def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_shard_size=None, strategy=None,
-                          gather_bucket_mb=None, parallel_write=None):
+                          gather_bucket_mb=None, parallel_write=None, keep_lora=False):
     """config.json, the tokenizer and the weights. ``global_rank`` None: rank 0 alone calls it (upstream's
-    way), so under ZeRO-3, where gathering needs every rank, the ZeRO-3 function writes the weights."""
+    way), so under ZeRO-3, where gathering needs every rank, the ZeRO-3 function writes the weights.
+    ``keep_lora``: also save LoRA weights (for a fork whose own save keeps them)."""
     module = _dsfix_unwrap(model)
     partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
     rank = global_rank or 0
@@ -49,23 +50,26 @@ def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_sh
                      "written by save_zero_three_model_safetensors" % (os.path.normpath(output_dir),))
     elif partitioned or rank == 0:
         _dsfix_save_weights(module, output_dir, rank, partitioned, max_shard_size, strategy, gather_bucket_mb,
-                            parallel_write)
+                            parallel_write, keep_lora)
 
 
 def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3, tokenizer=None,
-                                 max_shard_size=None, strategy=None, gather_bucket_mb=None, parallel_write=None):
-    """The weights (and the tokenizer, when given); every rank calls it. ``global_rank`` None: asks torch."""
+                                 max_shard_size=None, strategy=None, gather_bucket_mb=None, parallel_write=None,
+                                 keep_lora=False, with_config=False):
+    """The weights (and the tokenizer, when given; config.json with ``with_config``, for a fork whose own
+    ZeRO-3 save writes it); every rank calls it. ``global_rank`` None: asks torch."""
     if global_rank is None:
         ready = torch.distributed.is_available() and torch.distributed.is_initialized()
         global_rank = torch.distributed.get_rank() if ready else 0
+    module = _dsfix_unwrap(model)
     if global_rank == 0:
-        _dsfix_save_config_and_tokenizer(None, tokenizer, save_dir)
+        _dsfix_save_config_and_tokenizer(module if with_config else None, tokenizer, save_dir)
     if zero_stage == 3 or global_rank == 0:
-        _dsfix_save_weights(_dsfix_unwrap(model), save_dir, global_rank, zero_stage == 3, max_shard_size,
-                            strategy, gather_bucket_mb, parallel_write)
+        _dsfix_save_weights(module, save_dir, global_rank, zero_stage == 3, max_shard_size, strategy,
+                            gather_bucket_mb, parallel_write, keep_lora)
 
 
-def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy, bucket_mb, parallel):
+def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy, bucket_mb, parallel, keep_lora=False):
     """Plans the files; every rank streams its tensors (all gathering under ZeRO-3); rank 0 checks the
     files, renames them into place and writes the index. A failure leaves no new weight file behind."""
     strategy = strategy or _DSFIX_STRATEGY
@@ -76,7 +80,7 @@ def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy,
         raise ValueError("dsfix: max_shard_size must be a positive number of bytes, not %r" % (limit,))
     if sys.byteorder != "little":
         raise RuntimeError("dsfix: safetensors files are little-endian; this machine is not")
-    entries, notes = _dsfix_plan(module, strategy, gather)
+    entries, notes = _dsfix_plan(module, strategy, gather, keep_lora)
     collective = any(e["param"] is not None for e in entries)  # ZeRO-3: every rank is here
     world = torch.distributed.get_world_size() if collective and torch.distributed.is_initialized() else 1
     bucket_mb = os.environ.get("DSFIX_GATHER_BUCKET_MB", _DSFIX_GATHER_BUCKET_MB) if bucket_mb is None else bucket_mb
@@ -130,16 +134,16 @@ def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy,
     return count
 
 
-def _dsfix_plan(module, strategy, gather):
+def _dsfix_plan(module, strategy, gather, keep_lora=False):
     """([entry], notes): the tensors to write, in state_dict order but for a ZeRO-3 parameter's alias, which
-    follows it; LoRA keys are dropped as upstream does. Sharing is found by overlapping byte ranges of one
+    follows it; LoRA keys are dropped as upstream does (unless ``keep_lora``). Sharing is found by overlapping byte ranges of one
     storage, as safetensors does; ``dedupe`` leaves out exact aliases. An entry: name, param (a ZeRO-3
     parameter to gather) or tensor, shape, real_shape (``ds_shape`` under ZeRO-3), dtype, st_dtype, nbytes."""
     params = dict(module.named_parameters(remove_duplicate=False))
     buffers = dict(module.named_buffers(remove_duplicate=False))
     entries, notes, seen, spans = [], [], {}, {}
     for name, value in module.state_dict().items():
-        if "lora" in name:
+        if "lora" in name and not keep_lora:
             continue
         source = params.get(name, buffers.get(name, value))
         partitioned = hasattr(source, "ds_shape")
@@ -324,7 +328,10 @@ def _dsfix_save_config_and_tokenizer(module, tokenizer, out_dir):
     if module is not None and getattr(module, "config", None) is None:
         _dsfix_print("%s has no config; config.json not written" % (type(module).__name__,))
     elif module is not None:
-        _dsfix_write_atomic(os.path.join(out_dir, "config.json"), module.config.to_json_file)
+        try:
+            _dsfix_write_atomic(os.path.join(out_dir, "config.json"), module.config.to_json_file)
+        except Exception as exc:  # the weights matter more, at the end of a training run
+            _dsfix_print("could not write config.json (%s: %s); saving the rest" % (type(exc).__name__, exc))
     try:
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)

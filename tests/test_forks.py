@@ -162,6 +162,11 @@ def _save_calls(script: Path) -> list:
 
 def _run_calls(script: Path, root: Path, out_dir: Path, model, tokenizer) -> None:
     """Run the script's imports (and sys.path lines) as Python would, then each save call in it."""
+    _run_calls_text(script, root, out_dir, model, tokenizer, _save_calls(script))
+
+
+def _run_calls_text(script: Path, root: Path, out_dir: Path, model, tokenizer, calls: list) -> None:
+    """Run the script's imports (and sys.path lines) as Python would, then each call in ``calls``."""
     tree = ast.parse(script.read_text())
     head = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
             or (isinstance(n, ast.Expr) and "sys.path" in ast.unparse(n))]
@@ -174,7 +179,7 @@ def _run_calls(script: Path, root: Path, out_dir: Path, model, tokenizer) -> Non
         exec(compile(ast.Module(body=head, type_ignores=[]), str(script), "exec"), ns)
         args = Namespace(output_dir=str(out_dir), global_rank=0, zero_stage=0, num_train_epochs=1, save_steps=1)
         ns.update(model=model, tokenizer=tokenizer, args=args, epoch=0, step=0, os=os)
-        for call in _save_calls(script):
+        for call in calls:
             eval(call, ns)
     finally:
         sys.path[:] = saved_path
@@ -217,3 +222,45 @@ def test_patched_calls_save_what_and_where_the_original_did(tmp_path, name, tiny
         new = load_file(safes[folder])
         for key, value in old.items():
             assert torch.equal(new[key], value), (folder, key)
+
+
+@pytest.mark.parametrize("name, keeps", [("fork-keeps-lora", True), ("package", False)])
+def test_lora_weights_are_kept_exactly_where_the_fork_keeps_them(tmp_path, name, keeps, tiny_qwen3,
+                                                                 tiny_qwen3_tokenizer):
+    """Upstream's saves drop every key with "lora" in it; a fork whose saves keep its adapters gets
+    dsfix's saves keeping them too (read from the fork's own function)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tiny_qwen3.model.layers[0].self_attn.q_proj.register_parameter(
+        "lora_right_weight", torch.nn.Parameter(torch.randn(8, 2)))
+    key = "model.layers.0.self_attn.q_proj.lora_right_weight"
+    cwd = tmp_path / "co"
+    shutil.copytree(FIXTURES / name, cwd)
+    script = cwd / "training/step1_supervised_finetuning/main.py"
+    calls = [c for c in _save_calls(script) if c.startswith("save_hf_format(")]
+    assert calls
+    _run_calls_text(script, cwd, tmp_path / "before", tiny_qwen3, tiny_qwen3_tokenizer, calls)
+    assert cli("apply", ".", cwd=cwd)[0] == 0
+    calls = [c.replace("save_hf_format(", "save_hf_format_safetensors(") for c in calls]
+    _run_calls_text(script, cwd, tmp_path / "after", tiny_qwen3, tiny_qwen3_tokenizer, calls)
+    old = torch.load(tmp_path / "before" / "pytorch_model.bin", weights_only=True)
+    new = load_file(tmp_path / "after" / "model.safetensors")
+    assert (key in old) is keeps and (key in new) is keeps
+    assert set(new) == set(old)
+
+
+def test_a_zero3_save_that_writes_config_gets_dsfixs_writing_it_too(tmp_path, tiny_qwen3, tiny_qwen3_tokenizer):
+    """fork-legacy-tokenizer's save_zero_three_model writes config.json and the tokenizer itself (the fork
+    calls it instead of save_hf_format under ZeRO-3); dsfix's replacement must write both as well."""
+    cwd = tmp_path / "co"
+    shutil.copytree(FIXTURES / "fork-legacy-tokenizer", cwd)
+    assert cli("apply", ".", cwd=cwd)[0] == 0
+    utils = (cwd / "training/utils/utils.py").read_text()
+    z3 = utils[utils.index("def save_zero_three_model_safetensors("):]
+    assert "with_config=True" in z3.split("\n\n")[0] and "tokenizer=tokenizer" in z3.split("\n\n")[0]
+    script = cwd / "training/step1_supervised_finetuning/main.py"
+    calls = [c for c in _save_calls(script) if c.startswith("save_zero_three_model_safetensors(")]
+    _run_calls_text(script, cwd, tmp_path / "out", tiny_qwen3, tiny_qwen3_tokenizer, calls)
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "config.json" in written and "model.safetensors" in written and "vocab.json" in written, written
