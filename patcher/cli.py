@@ -96,6 +96,10 @@ MAIN_OPT = typer.Option(
 SCRIPT_OPT = typer.Option(
     [], "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py."
 )
+STRATEGY_OPT = typer.Option(
+    Strategy.clone, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
+    "dedupe: transformers' layout, the alias dropped (310)."
+)
 STEPS_OPT = typer.Option(
     "1", "--steps", metavar="LIST",
     help="The DeepSpeed-Chat steps to patch, comma-separated: 1 (the default), 1,2 or 1,2,3. See README.",
@@ -156,45 +160,35 @@ def _finish(outcome, as_json: bool) -> None:
     raise typer.Exit(outcome.exit_code)
 
 
-@app.command()
-@_guard
-def check(
-    repo: Path = REPO_ARG,
-    strategy: Strategy = typer.Option(Strategy.clone, help="How to save tied weights (see apply)."),
-    steps: str = STEPS_OPT,
-    main_script: Optional[Path] = MAIN_OPT,
-    script: List[Path] = SCRIPT_OPT,
-    as_json: bool = JSON_OPT,
-):
-    """Print the diff apply would make; write nothing. Exit 0: nothing to do, 1: changes pending, 2: error."""
-    from patcher import pipeline
+def _patch_command(verb: str, doc: str):
+    """check and apply take the same options; check also prints the diff (stdout) unless --json."""
 
-    outcome = pipeline.check(repo, strategy.value, _steps(steps), main_script, script)
-    if not as_json:
-        sys.stdout.flush()
-        sys.stdout.buffer.write(outcome.diff)
-        sys.stdout.buffer.flush()
-    _finish(outcome, as_json)
+    @app.command(verb, help=doc)
+    @_guard
+    def command(
+        repo: Path = REPO_ARG,
+        strategy: Strategy = STRATEGY_OPT,
+        steps: str = STEPS_OPT,
+        main_script: Optional[Path] = MAIN_OPT,
+        script: List[Path] = SCRIPT_OPT,
+        as_json: bool = JSON_OPT,
+    ):
+        from patcher import pipeline
+
+        outcome = getattr(pipeline, verb)(repo, strategy.value, _steps(steps), main_script, script)
+        if verb == "check" and not as_json:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(outcome.diff)
+            sys.stdout.buffer.flush()
+        _finish(outcome, as_json)
+
+    return command
 
 
-@app.command()
-@_guard
-def apply(
-    repo: Path = REPO_ARG,
-    strategy: Strategy = typer.Option(
-        Strategy.clone, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
-        "dedupe: transformers' layout, the alias dropped (310)."
-    ),
-    steps: str = STEPS_OPT,
-    main_script: Optional[Path] = MAIN_OPT,
-    script: List[Path] = SCRIPT_OPT,
-    as_json: bool = JSON_OPT,
-):
-    """Patch the checkout: all files or none. Exit 0: applied or already applied, 2: error (nothing written)."""
-    from patcher import pipeline
-
-    outcome = pipeline.apply(repo, strategy.value, _steps(steps), main_script, script)
-    _finish(outcome, as_json)
+check = _patch_command("check", "Print the diff apply would make; write nothing. Exit 0: nothing to do, "
+                                "1: changes pending, 2: error.")
+apply = _patch_command("apply", "Patch the checkout: all files or none. Exit 0: applied or already applied, "
+                                "2: error (nothing written).")
 
 
 @app.command()

@@ -196,26 +196,12 @@ def find_patched(root: Path, depth: int = 5, limit: int = 3000) -> list:
     """[(path, role, modules)] of what an earlier apply changed under ``root``, read from the files alone (for a
     revert without the state folder): utils.py and model_utils.py with dsfix's marker line, and every script
     that calls dsfix's functions imported from that utils.py, wherever it is (--main and --script ones too)."""
-    marked, scripts, seen = [], [], 0
-    for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
-        if len(Path(d).parts) - len(root.parts) >= depth:
-            dirs[:] = []
-        for f in sorted(files):
-            if not f.endswith(".py"):
-                continue
-            seen += 1
-            if seen > limit:
-                break
-            path = Path(d) / f
-            try:
-                data = path.read_bytes()
-            except OSError:
-                continue
-            if b"# dsfix: template=" in data:
-                marked.append((path, "loader" if b"kind=loader" in data else "utils"))
-            elif any(f"{n}(".encode() in data for n in PUBLIC_NAMES):
-                scripts.append(path)
+    marked, scripts = [], []
+    for path, data in python_files(root, depth, limit):
+        if b"# dsfix: template=" in data:
+            marked.append((path, "loader" if b"kind=loader" in data else "utils"))
+        elif any(f"{n}(".encode() in data for n in PUBLIC_NAMES):
+            scripts.append(path)
     utils = [p for p, role in marked if role == "utils"]
     out = [(p, "utils", ()) for p in utils[:1]] + [(p, role, ()) for p, role in marked if role == "loader"]
     for script in scripts:
@@ -235,10 +221,10 @@ def _given(p, option) -> Path:
     return Path(os.path.abspath(path))
 
 
-def callers(folder: Path, depth: int = 4, limit: int = 2000) -> list:
-    """Python files under ``folder`` that call a save function without defining save_hf_format."""
-    found, seen = [], 0
-    base = len(folder.parts)
+def python_files(folder: Path, depth: int = 4, limit: int = 2000):
+    """(path, bytes) of the .py files under ``folder``, ``depth`` folders down at most, in a stable order,
+    skipping virtual environments, caches and hidden folders; ``limit`` files at most."""
+    base, seen = len(folder.parts), 0
     for d, dirs, files in os.walk(folder):
         dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
         if len(Path(d).parts) - base >= depth:
@@ -248,14 +234,17 @@ def callers(folder: Path, depth: int = 4, limit: int = 2000) -> list:
                 continue
             seen += 1
             if seen > limit:
-                return found
+                return
             try:
-                data = (Path(d) / f).read_bytes()
+                yield Path(d) / f, (Path(d) / f).read_bytes()
             except OSError:
                 continue
-            if any(f"{n}(".encode() in data for n in SAVE_NAMES) and b"def save_hf_format" not in data:
-                found.append(Path(d) / f)
-    return found
+
+
+def callers(folder: Path, depth: int = 4, limit: int = 2000) -> list:
+    """Python files under ``folder`` that call a save function without defining save_hf_format."""
+    return [path for path, data in python_files(folder, depth, limit)
+            if any(f"{n}(".encode() in data for n in SAVE_NAMES) and b"def save_hf_format" not in data]
 
 
 def _suggest(start: Path) -> str:

@@ -113,8 +113,18 @@ def _params(fn: cst.FunctionDef) -> tuple:
     return tuple(out)
 
 
-class _Reads(cst.CSTVisitor):
-    """Names read in a node (attribute names, keyword names and nested scopes left out)."""
+class _OwnBody(cst.CSTVisitor):
+    """Visits a function's own code: nested functions and classes are other scopes, left out."""
+
+    def visit_FunctionDef(self, node):
+        return False
+
+    def visit_ClassDef(self, node):
+        return False
+
+
+class _Reads(_OwnBody):
+    """Names read in a node (attribute names and keyword names left out)."""
 
     def __init__(self):
         self.names = []
@@ -130,12 +140,6 @@ class _Reads(cst.CSTVisitor):
         node.value.visit(self)
         return False
 
-    def visit_FunctionDef(self, node):
-        return False
-
-    def visit_ClassDef(self, node):
-        return False
-
 
 def reads(node) -> set:
     v = _Reads()
@@ -143,15 +147,12 @@ def reads(node) -> set:
     return set(v.names)
 
 
-class _Calls(cst.CSTVisitor):
+class _Calls(_OwnBody):
     def __init__(self):
         self.calls = []
 
     def visit_Call(self, node):
         self.calls.append(node)
-
-    def visit_FunctionDef(self, node):
-        return False
 
     def visit_Lambda(self, node):
         return False
@@ -194,32 +195,23 @@ def _folder_call(stmts) -> tuple:
     return None, None
 
 
+_BINDING = {cst.AssignTarget: "target", cst.AugAssign: "target", cst.AnnAssign: "target", cst.For: "target",
+            cst.AsName: "name", cst.NamedExpr: "target"}  # node type -> the field holding what it binds
+
+
 def _assigned(stmt) -> set:
     """Names a statement binds (targets of any kind), to tell whether slicing may stop at it."""
     out = set()
 
     class V(cst.CSTVisitor):
-        def visit_AssignTarget(self, node):
-            out.update(reads(node.target))
-
-        def visit_AugAssign(self, node):
-            out.update(reads(node.target))
-
-        def visit_AnnAssign(self, node):
-            out.update(reads(node.target))
-
-        def visit_For(self, node):
-            out.update(reads(node.target))
-
-        def visit_AsName(self, node):
-            out.update(reads(node.name))
-
-        def visit_NamedExpr(self, node):
-            out.update(reads(node.target))
-
-        def visit_FunctionDef(self, node):
-            out.add(node.name.value)
-            return False
+        def on_visit(self, node):
+            if isinstance(node, cst.FunctionDef):
+                out.add(node.name.value)
+                return False
+            field = _BINDING.get(type(node))
+            if field is not None:
+                out.update(reads(getattr(node, field)))
+            return True
 
     stmt.visit(V())
     return out

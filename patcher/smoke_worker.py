@@ -127,24 +127,16 @@ def load_save_functions(utils_path, import_root, module_name) -> tuple[dict, str
 
 
 def make_tiny_tokenizer(folder):
-    """A Qwen2TokenizerFast over a ~300-token byte-level BPE trained here (save_pretrained works)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
+    """The project's one tiny tokenizer (fixtures/step1_trainer/tiny_qwen3.py, bundled): a Qwen2TokenizerFast
+    over a ~300-token byte-level BPE, its vocabulary kept in ``folder`` (so save_pretrained works)."""
+    import importlib.util
 
-    words = ("the a an human assistant what is how do you make tea coffee water hot cold please "
-             "explain why sky blue light scatter answer question yes no maybe").split()
-    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    bpe.train_from_iterator(corpus, trainer)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    bpe.model.save(str(folder))
-    return Qwen2TokenizerFast(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"),
-                              unk_token="<unk>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                              bos_token=None)
+    from patcher.smoke import fixture_path
+
+    spec = importlib.util.spec_from_file_location("dsfix_tiny_qwen3", fixture_path("step1_trainer/tiny_qwen3.py"))
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    return helper.tiny_qwen3_tokenizer(folder)
 
 
 def build_model(spec: dict, torch_dtype):

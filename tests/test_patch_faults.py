@@ -106,21 +106,16 @@ def test_target_that_does_not_parse_names_file_and_line(tmp_path):
     assert snapshot(co) == before
 
 
-def test_utils_without_save_hf_format(tmp_path):
+@pytest.mark.parametrize("target, edit", [
+    (UTILS, lambda data: data.replace(b"def save_hf_format(", b"def save_other(")),  # nothing to put dsfix beside
+    (MAIN, lambda data: b"import torch\n\nprint('no saving here')\n"),  # no call to rewrite
+])
+def test_nothing_to_patch_names_the_file(tmp_path, target, edit):
     co = copy_fixture("package", tmp_path)
-    (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b"def save_hf_format(", b"def save_other("))
+    (co / target).write_bytes(edit((co / target).read_bytes()))
     before = snapshot(co)
     line = _one_line_error(run("apply", co), 2)
-    assert UTILS in line and "save_hf_format" in line
-    assert snapshot(co) == before
-
-
-def test_main_with_nothing_to_rewrite(tmp_path):
-    co = copy_fixture("package", tmp_path)
-    (co / MAIN).write_text("import torch\n\nprint('no saving here')\n")
-    before = snapshot(co)
-    line = _one_line_error(run("apply", co), 2)
-    assert MAIN in line and "save_hf_format" in line
+    assert target in line and "save_hf_format" in line
     assert snapshot(co) == before
 
 
@@ -395,24 +390,23 @@ def test_revert_without_state_keeps_user_edits(tmp_path):
     assert (co / UTILS).read_bytes() == before[UTILS] + b"\n\nMINE = 1\n"
 
 
-def test_revert_without_state_refuses_edited_dsfix_code(tmp_path):
-    co = copy_fixture("package", tmp_path)
-    assert cli("apply", co)[0] == 0
-    shutil.rmtree(co / ".dsfix")
+def _edit_dsfix_code(co):
     (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b'_DSFIX_STRATEGY = "clone"', b'_DSFIX_STRATEGY = "x"'))
-    before = snapshot(co)
-    p = run("revert", co)
-    assert p.returncode == 1 and b"edited" in p.stderr
-    assert snapshot(co) == before
 
 
-def test_revert_without_state_refuses_to_lose_a_replaced_hand_edit(tmp_path):
-    co = copy_fixture("article", tmp_path)
+@pytest.mark.parametrize("fixture, edit, reason", [
+    ("package", _edit_dsfix_code, b"edited"),  # dsfix's own code edited: nothing to compare it with
+    ("article", None, b"hand-written"),  # the hand edit dsfix replaced lived only in the state folder
+])
+def test_revert_without_state_refuses_what_it_cannot_undo_safely(tmp_path, fixture, edit, reason):
+    co = copy_fixture(fixture, tmp_path)
     assert cli("apply", co)[0] == 0
     shutil.rmtree(co / ".dsfix")
+    if edit is not None:
+        edit(co)
     before = snapshot(co)
     p = run("revert", co)
-    assert p.returncode == 1 and b"hand-written" in p.stderr
+    assert p.returncode == 1 and reason in p.stderr
     assert snapshot(co) == before
 
 
