@@ -60,11 +60,14 @@ class _Stderr:
         sys.stderr.flush()
 
     def print(self, obj, markup: bool = False) -> None:
-        """rich's print, for tables and the other renderables of verify, smoke and demo."""
+        """A plain line, or (tables and the other renderables of verify, convert and smoke) rich's print,
+        whose own markup (a cell's "[green]ok[/]") renders as style, or as nothing off a terminal."""
         if isinstance(obj, str) and not markup:
             self.line(obj)
+        elif isinstance(obj, str):
+            self.console.print(obj, markup=True)
         else:
-            self.console.print(obj, markup=markup)
+            self.console.print(obj)
 
 
 err = _Stderr()
