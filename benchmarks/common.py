@@ -118,7 +118,13 @@ def _status(field):
 
 
 def reset_peak():
-    """Resets this process's peak RSS (Linux clear_refs 5) and returns the RSS now."""
+    """Returns freed heap memory to the system (so that what an earlier method freed cannot hide what the next
+    one allocates), resets this process's peak RSS (Linux clear_refs 5) and returns the RSS now."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")
     return _status("VmRSS")

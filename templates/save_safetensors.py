@@ -282,10 +282,8 @@ def _dsfix_gather(bucket, then):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     params = dict((id(e["param"]), e["param"]) for e in bucket if e["param"] is not None and
-                  e["param"].ds_status == ZeroParamStatus.NOT_AVAILABLE)
-    if not params:
-        return then()
-    with deepspeed.zero.GatheredParameters(list(params.values())):
+                  e["param"].ds_status == ZeroParamStatus.NOT_AVAILABLE)  # not those already whole
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=bool(params)):
         return then()
 
 
