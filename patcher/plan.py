@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from patcher import transforms
+from patcher import calls, transforms
 from patcher.diff import split_lines
 from patcher.errors import DsfixError
 from patcher.template import Template, _defined_name, is_dsfix_name, load_loader
@@ -158,6 +158,7 @@ def patch_file(target: Target, tpl: Template, strategy: str, defs: dict | None =
     rel, data = target.rel, target.data
     try:
         if target.role == "utils":
+            calls.parse_script(data, rel)  # Python itself must read it (a NUL byte, say, it would not)
             res = transforms.patch_utils(data, parse(data, rel), tpl, strategy, rel)
             return res.new, res.notes, [], res.defs
         if target.role == "loader":

@@ -22,7 +22,7 @@ import ast
 import dataclasses
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 

@@ -7,7 +7,6 @@ the original bytes when the file was not edited afterwards.
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass, field
 
@@ -604,8 +603,7 @@ def _newline(text: str) -> str:
 def rename_calls(decoded: calls.Decoded, found: calls.ScriptCalls, mapping: dict, modules: tuple) -> Result:
     """The script's bytes with every call of a ``mapping`` key renamed, and its imports edited to match."""
     mine = [c for c in found.calls if c.name in mapping]
-    aliased = [c for c in mine if _aliased(c)]
-    renames = {c.index: (c, mapping[c.name]) for c in mine if not _aliased(c)}
+    renames = {c.index: (c, mapping[c.name]) for c in mine if not _aliased(c)}  # aliased: the import is renamed
     if not mine:
         return Result(None, [])
     uses = dict(found.reads)

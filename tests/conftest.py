@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 import sys
 
@@ -34,3 +35,25 @@ def tiny_qwen3_tokenizer(tiny_qwen3_helper):
 def tiny_qwen3(tiny_qwen3_helper):
     """A fresh seeded narrow Qwen3ForCausalLM (28 layers, tied embeddings, 311 state-dict keys)."""
     return tiny_qwen3_helper.tiny_qwen3_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def zero3_patched_run(tmp_path_factory):
+    """One real ZeRO-3 run on 2 CPU ranks (gloo) of the step-1-like trainer, with the utils.py of a fixture
+    checkout patched by `dsfix apply`: its output (dsfix's save) in out/, the checkout's own functions'
+    save (upstream's .bin, the tied lm_head.weight missing) in original/, the reference in ref/.
+    Returns (folder, launcher exit code, output)."""
+    pytest.importorskip("deepspeed")
+    import shutil
+
+    from patcher import pipeline
+    from smokekit import REPO, run_trainer
+
+    tmp_path = tmp_path_factory.mktemp("zero3-patched")
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "fixtures" / "checkouts" / "package", checkout)
+    assert pipeline.apply(checkout).exit_code == 0
+    variants = json.dumps([{"dir": str(tmp_path / "original"), "original": True}])
+    code, output = run_trainer(tmp_path, 2, 3, "--variants", variants,
+                               utils=checkout / "dschat" / "utils" / "utils.py")
+    return tmp_path, code, output

@@ -6,13 +6,23 @@ here, not copied from upstream) followed by the code under test, plus a stub ste
 from __future__ import annotations
 
 import io
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 NARROW = REPO / "fixtures" / "models" / "qwen3-narrow" / "config.json"
 FULL = REPO / "fixtures" / "models" / "qwen3-0.6b" / "config.json"
 TEMPLATE = REPO / "templates" / "save_safetensors.py"
 BROKEN = REPO / "fixtures" / "broken"
+TRAINER = REPO / "fixtures" / "step1_trainer" / "train.py"
+LAUNCH_TIMEOUT_S = 240
 
 # Looks like the top of DeepSpeed-Chat's utils.py: deepspeed and transformers at module level, a few
 # helpers and the pickle saves that dsfix replaces.
@@ -113,3 +123,37 @@ def narrow_model(dtype="float32", seed=0):
     torch.manual_seed(seed)
     cfg = AutoConfig.from_pretrained(str(NARROW))
     return AutoModelForCausalLM.from_config(cfg, **{dtype_kwarg(): getattr(torch, dtype)})
+
+
+# --------------------------------------------------------------------------- the step-1-like trainer, launched
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launcher():
+    found = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
+    if found is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    return found
+
+
+def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
+    """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout."""
+    cmd = [_launcher(), "--num_gpus", str(nprocs), "--master_port", str(_free_port()), str(TRAINER),
+           "--utils", str(utils or TEMPLATE), "--output_dir", str(tmp_path / "out"),
+           "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started: launcher and its ranks
+        output, _ = proc.communicate()
+        pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
+    return proc.returncode, output

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,11 +27,10 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from smokekit import NARROW, narrow_model, utils_source  # noqa: E402
+from smokekit import NARROW, narrow_model  # noqa: E402
 from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
 from patcher.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
@@ -239,17 +239,14 @@ def test_a_zip_less_legacy_pickle_converts_without_mmap(tmp_path, model):
     assert verify_folder(folder, expect=311, load=False).ok
 
 
-def test_zero3_on_two_cpu_ranks_then_convert(tmp_path):
+def test_zero3_on_two_cpu_ranks_then_convert(zero3_patched_run, tmp_path):
     """Upstream-like save_hf_format + save_zero_three_model under a real DeepSpeed ZeRO-3 engine (2 ranks,
-    gloo): the .bin lacks lm_head.weight; convert restores it and the model reloads with equal logits."""
-    from test_template_zero3 import run_trainer
-
-    utils = tmp_path / "upstream_utils.py"
-    utils.write_text(utils_source() + "\nsave_hf_format_safetensors = save_hf_format\n"
-                     "save_zero_three_model_safetensors = save_zero_three_model\n")
-    code, output = run_trainer(tmp_path, 2, 3, utils=utils)
+    gloo; the session's run, whose original/ folder they wrote): the .bin lacks lm_head.weight; convert
+    restores it and the model reloads with equal logits."""
+    folder, code, output = zero3_patched_run
     assert code == 0, output[-6000:]
     out = tmp_path / "out"
+    shutil.copytree(folder / "original", out)
     saved = torch.load(str(out / "pytorch_model.bin"), weights_only=True)
     assert len(saved) == 310 and "lm_head.weight" not in saved and all(v.numel() for v in saved.values())
 
@@ -257,7 +254,7 @@ def test_zero3_on_two_cpu_ranks_then_convert(tmp_path):
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     (result,) = json.loads(p.stdout)["folders"]
     assert result["tensors"] == 311 and result["restored"] == ["lm_head.weight <- model.embed_tokens.weight"]
-    ref = torch.load(str(tmp_path / "ref" / "reference.pt"), weights_only=True)
+    ref = torch.load(str(folder / "ref" / "reference.pt"), weights_only=True)
     state = safetensors_state(out)
     assert set(state) == set(ref["state_dict"])
     for key, value in ref["state_dict"].items():

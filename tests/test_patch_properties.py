@@ -64,7 +64,7 @@ def main_sources(draw):
     call_args = draw(st.sampled_from(["(model, tokenizer, args)", "(model=model, tokenizer=tokenizer, args=args)",
                                       "(model, tokenizer, args, sub_folder='best')", "(model, tokenizer, args, 'x')"]))
     n_calls = draw(st.integers(1, 3))
-    body = [f"def main(model, tokenizer, args):"]
+    body = ["def main(model, tokenizer, args):"]
     if others and not mod_prefix:
         body.append(f"{indent}{others[0]}")
     for i in range(n_calls):

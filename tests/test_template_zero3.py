@@ -6,11 +6,6 @@ DeepSpeed-Chat's step 1 does, with the two functions loaded from templates/save_
 import json
 import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,42 +14,10 @@ from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed")
 
+from smokekit import run_trainer  # noqa: E402
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINER = os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "train.py")
-TEMPLATE = os.path.join(REPO_ROOT, "templates", "save_safetensors.py")
-LAUNCH_TIMEOUT_S = 240
 QWEN3_KEYS = 311
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launcher():
-    found = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
-    if found is None:
-        pytest.skip("the deepspeed launcher is not installed")
-    return found
-
-
-def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=TEMPLATE):
-    """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout."""
-    cmd = [_launcher(), "--num_gpus", str(nprocs), "--master_port", str(_free_port()), TRAINER,
-           "--utils", str(utils), "--output_dir", str(tmp_path / "out"),
-           "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started: launcher and its ranks
-        output, _ = proc.communicate()
-        pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
-    return proc.returncode, output
 
 
 def _saved_tensors(out):
@@ -188,15 +151,18 @@ def test_zero0_one_rank(tmp_path):
     _check_against_reference(tmp_path, QWEN3_KEYS, torch.float32)
 
 
-def test_zero3_two_cpu_ranks_with_a_checkout_patched_by_dsfix(tmp_path):
-    """The same save sequence, with the functions dsfix apply inserted into a fixture checkout's utils.py."""
-    from patcher import pipeline
-
-    checkout = tmp_path / "checkout"
-    shutil.copytree(os.path.join(REPO_ROOT, "fixtures", "checkouts", "package"), checkout)
-    assert pipeline.apply(checkout).exit_code == 0
-    code, output = run_trainer(tmp_path, 2, 3, utils=checkout / "dschat" / "utils" / "utils.py")
+def test_zero3_two_cpu_ranks_with_a_checkout_patched_by_dsfix(zero3_patched_run):
+    """The same save sequence, with the functions dsfix apply inserted into a fixture checkout's utils.py; in
+    the same run the checkout's own functions save too (upstream's .bin): dsfix's tensors equal them."""
+    tmp_path, code, output = zero3_patched_run
     assert code == 0, output[-6000:]
     assert "[dsfix] verified 311 tensors (names, shapes, dtypes; none empty)" in output
     assert "[train] ZeRO-3: 310 of 310 parameters partitioned before saving" in output
     _check_against_reference(tmp_path, QWEN3_KEYS, torch.float32)
+    assert "[train] variant original on rank 0: ok" in output
+    before = torch.load(str(tmp_path / "original" / "pytorch_model.bin"), weights_only=True)
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert len(before) == 310 and set(after) == set(before) | {"lm_head.weight"}
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    assert torch.equal(after["lm_head.weight"], before["model.embed_tokens.weight"])
