@@ -34,6 +34,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+sys.path.insert(0, common.REPO_ROOT)
+from patcher.smoke import remove_shm_buffers  # noqa: E402
+
 METHODS = (("one", "dsfix one at a time"), ("bucketed", "dsfix bucketed (default)"),
            ("dedupe", "dsfix bucketed, dedupe (upstream's bytes)"),
            ("one_parallel", "dsfix one at a time, parallel writes"), ("parallel", "dsfix bucketed, parallel writes"),
@@ -181,6 +184,8 @@ def launch(world, args, work):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
         output, _ = proc.communicate()
+    finally:
+        remove_shm_buffers(port)
     if proc.returncode != 0 or not os.path.exists(result):
         print("[bench] %d ranks failed (exit %s):\n%s" % (world, proc.returncode, output[-4000:]), file=sys.stderr)
         return None

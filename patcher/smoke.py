@@ -153,9 +153,26 @@ def _worker_env(device: str, nproc: int) -> dict:
     return env
 
 
-def launcher_command(nproc: int, spec_path) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+def launcher_command(nproc: int, spec_path, port: int | str = "PORT") -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
+            "--master_addr", "127.0.0.1", "--master_port", str(port),
             "--nproc_per_node", str(nproc), "-m", "patcher.smoke_worker", str(spec_path)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU collectives keep a buffer per rank in /dev/shm, named after the master port, and leave
+    it there when the ranks exit (66 MiB each): remove those of a run that has ended."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{int(port)}_*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str, int]:
@@ -164,7 +181,8 @@ def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
     log_path = work / "ranks.log"
-    cmd = launcher_command(nproc, spec_path)
+    port = free_port()
+    cmd = launcher_command(nproc, spec_path, port)
     phase_file = work / "phase-0.txt"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -193,6 +211,8 @@ def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             raise
+        finally:
+            remove_shm_buffers(port)
     results = []
     for r in range(nproc):
         p = work / f"result-{r}.json"

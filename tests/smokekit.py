@@ -9,12 +9,13 @@ import io
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from patcher.smoke import free_port, remove_shm_buffers
 
 REPO = Path(__file__).resolve().parent.parent
 NARROW = REPO / "fixtures" / "models" / "qwen3-narrow" / "config.json"
@@ -129,9 +130,7 @@ def narrow_model(dtype="float32", seed=0):
 
 
 def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()
 
 
 def _launcher():
@@ -143,7 +142,8 @@ def _launcher():
 
 def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
     """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout."""
-    cmd = [_launcher(), "--num_gpus", str(nprocs), "--master_port", str(_free_port()), str(TRAINER),
+    port = _free_port()
+    cmd = [_launcher(), "--num_gpus", str(nprocs), "--master_port", str(port), str(TRAINER),
            "--utils", str(utils or TEMPLATE), "--output_dir", str(tmp_path / "out"),
            "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
@@ -156,4 +156,6 @@ def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
         os.killpg(proc.pid, signal.SIGKILL)  # the group this test started: launcher and its ranks
         output, _ = proc.communicate()
         pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
+    finally:
+        remove_shm_buffers(port)
     return proc.returncode, output
