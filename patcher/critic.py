@@ -18,13 +18,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-PREFIX = "rwtransformer."
-HEAD_KEY = "v_head.weight"
-
-
-def is_critic_keys(keys) -> bool:
-    """True when a checkpoint's keys are a critic's: ``v_head.weight`` or any ``rwtransformer.*`` key."""
-    return any(k == HEAD_KEY or k.startswith(PREFIX) for k in keys)
 
 
 def value_head_width(config) -> int:

@@ -107,11 +107,6 @@ class RevertPlan:
     results: tuple
     refused: tuple  # the refused RevertOutcomes (nothing is written when there are any)
 
-    @property
-    def writes(self) -> list:
-        """(rel, new bytes, old bytes) for every file to write, the kept copies of --force included."""
-        return [(r.rel, r.new) for r in self.results if r.new is not None]
-
 
 # ----------------------------------------------------------------------------- parsing and rendering
 

@@ -246,11 +246,6 @@ def model_name(model, kind: str = CAUSAL_LM) -> str:
     return type(model).__name__
 
 
-def _expected_from_meta(cfg, kind: str = CAUSAL_LM) -> tuple[dict, list]:
-    """(key -> shape, tie groups: lists of keys that are one tensor) of the config's model on meta."""
-    return expected_of(meta_model(cfg, kind))
-
-
 def expected_of(model) -> tuple[dict, list]:
     """(key -> shape, tie groups) of a (meta) model's state dict; tied keys are one tensor object."""
     sd = model.state_dict(keep_vars=True)
