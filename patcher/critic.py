@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 
-
 def value_head_width(config) -> int:
     """The width of the hidden state ``v_head`` reads, as DeepSpeed-Chat picks it.
 
