@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 sys.path.insert(0, common.REPO_ROOT)
-from patcher.smoke import remove_shm_buffers  # noqa: E402
+from patcher.cpu_ranks import rank_env, skip_shm_allreduce  # noqa: E402
 
 METHODS = (("one", "dsfix one at a time"), ("bucketed", "dsfix bucketed (default)"),
            ("dedupe", "dsfix bucketed, dedupe (upstream's bytes)"),
@@ -87,6 +87,7 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
+    skip_shm_allreduce()
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
@@ -175,8 +176,7 @@ def launch(world, args, work):
            "--config", args.config, "--rounds", str(args.rounds), "--methods", args.methods,
            "--bucket-mb", str(args.bucket_mb), "--parallel-shard-mb", str(args.parallel_shard_mb),
            "--work", work, "--result", result]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=common.REPO_ROOT)
+    env = dict(rank_env(), OMP_NUM_THREADS="1", PYTHONPATH=common.REPO_ROOT)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -184,8 +184,6 @@ def launch(world, args, work):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
         output, _ = proc.communicate()
-    finally:
-        remove_shm_buffers(port)
     if proc.returncode != 0 or not os.path.exists(result):
         print("[bench] %d ranks failed (exit %s):\n%s" % (world, proc.returncode, output[-4000:]), file=sys.stderr)
         return None

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from patcher.cpu_ranks import rank_env
 from patcher.errors import DsfixError
 from patcher.verify import Check, Checks, checks_table, load_check, verify_folder
 
@@ -142,14 +143,12 @@ def _prepare_out(keep) -> tuple[Path, Optional[Path]]:
 
 
 def _worker_env(device: str, nproc: int) -> dict:
-    env = dict(os.environ)
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    env = rank_env(threads=threads) if device == "cpu" else dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(_SRC_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.setdefault("OMP_NUM_THREADS", str(threads))
     return env
 
 
@@ -165,14 +164,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def remove_shm_buffers(port: int) -> None:
-    """DeepSpeed's CPU collectives keep a buffer per rank in /dev/shm, named after the master port, and leave
-    it there when the ranks exit (66 MiB each): remove those of a run that has ended."""
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{int(port)}_*"):
-        with contextlib.suppress(OSError):
-            path.unlink()
 
 
 def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str, int]:
@@ -211,8 +202,6 @@ def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             raise
-        finally:
-            remove_shm_buffers(port)
     results = []
     for r in range(nproc):
         p = work / f"result-{r}.json"

@@ -22,6 +22,8 @@ import traceback
 from argparse import Namespace
 from pathlib import Path
 
+from patcher.cpu_ranks import skip_shm_allreduce
+
 SAVE_HF = "save_hf_format_safetensors"
 SAVE_Z3 = "save_zero_three_model_safetensors"
 REF_FILE = "reference.safetensors"
@@ -245,6 +247,8 @@ def run_rank(spec: dict) -> dict:
                 backend = "nccl" if spec["device"] == "cuda" else "gloo"
                 from datetime import timedelta
 
+                if spec["device"] == "cpu":
+                    skip_shm_allreduce()
                 deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(spec["dist_timeout"])))
                 result["backend"] = backend
                 opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # no optimizer state: low memory

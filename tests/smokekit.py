@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from patcher.smoke import free_port, remove_shm_buffers
+from patcher.cpu_ranks import SHM_OP, rank_env
+from patcher.smoke import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 NARROW = REPO / "fixtures" / "models" / "qwen3-narrow" / "config.json"
@@ -129,8 +130,12 @@ def narrow_model(dtype="float32", seed=0):
 # --------------------------------------------------------------------------- the step-1-like trainer, launched
 
 
-def _free_port():
-    return free_port()
+def stale_extensions(tmp_path):
+    """A torch extensions folder where a build of DeepSpeed's shared-memory all-reduce was killed mid-way."""
+    folder = tmp_path / "torch-extensions"
+    (folder / SHM_OP).mkdir(parents=True, exist_ok=True)
+    (folder / SHM_OP / "lock").touch()
+    return folder
 
 
 def _launcher():
@@ -141,13 +146,17 @@ def _launcher():
 
 
 def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
-    """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout."""
-    port = _free_port()
+    """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout.
+
+    The ranks get a torch extensions folder holding the lock of a killed build of DeepSpeed's shared-memory
+    all-reduce: a rank that tried to build that op would wait on the lock forever, so every run here also
+    checks that the ranks use gloo alone (patcher.cpu_ranks)."""
+    port = free_port()
     cmd = [_launcher(), "--num_gpus", str(nprocs), "--master_port", str(port), str(TRAINER),
            "--utils", str(utils or TEMPLATE), "--output_dir", str(tmp_path / "out"),
            "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env = rank_env(threads=1)
+    env.update(PYTHONUNBUFFERED="1", TORCH_EXTENSIONS_DIR=str(stale_extensions(tmp_path)))
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -157,5 +166,7 @@ def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
         output, _ = proc.communicate()
         pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
     finally:
-        remove_shm_buffers(port)
+        if proc.poll() is None:  # interrupted: leave no rank behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     return proc.returncode, output
