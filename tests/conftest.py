@@ -57,3 +57,27 @@ def zero3_patched_run(tmp_path_factory):
     code, output = run_trainer(tmp_path, 2, 3, "--variants", variants,
                                utils=checkout / "dschat" / "utils" / "utils.py")
     return tmp_path, code, output
+
+
+@pytest.fixture(scope="session")
+def zero3_article_run(tmp_path_factory):
+    """The article's hand edit run by `dsfix smoke` on real ZeRO-3 engines, 2 CPU ranks (gloo), bf16: what
+    it printed and the folder it wrote ([0]-shaped placeholders, no config.json). Returns (report, folder)."""
+    pytest.importorskip("deepspeed")
+    from patcher.smoke import run_smoke
+    from smokekit import NARROW, broken_code, make_checkout, quiet_console, stale_extensions
+
+    base = tmp_path_factory.mktemp("zero3-article")
+    checkout = make_checkout(base / "DeepSpeed-Chat", broken_code("article_utils.py"))
+    # a rank that tried to build DeepSpeed's shared-memory all-reduce would wait on this lock until the timeout
+    saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(stale_extensions(base))
+    try:
+        report = run_smoke(checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2, keep=base / "out",
+                           console=quiet_console(), timeout=300)
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR")
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = saved
+    return report, base / "out"

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from smokekit import NARROW, broken_code, make_checkout, narrow_model
+from smokekit import NARROW, narrow_model
 from patchkit import FIXTURES, cli, copy_fixture, run
 
 
@@ -58,11 +58,7 @@ def test_smoke_exit_codes(tmp_path):
     # the article's hand edit is runnable by smoke too, and fails: it writes no config.json
     article = copy_fixture("article", tmp_path)
     p = run("smoke", article, "--device", "cpu", "--dtype", "fp32", "--config", NARROW, timeout=600)
-    assert p.returncode == 1 and b"config" in p.stderr
-
-    no_config = make_checkout(tmp_path / "noconfig", body=broken_code("no_config_utils.py"))
-    p = run("smoke", no_config, "--device", "cpu", "--dtype", "fp32", "--config", NARROW, timeout=600)
-    assert p.returncode == 1
+    assert p.returncode == 1 and b"config" in p.stderr  # (other failing saves: test_smoke.py, in process)
 
 
 def test_demo_passes(tmp_path):

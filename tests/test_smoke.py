@@ -108,10 +108,8 @@ def test_refuses_bad_options(good_checkout, tmp_path):
 
 
 @needs_deepspeed
-def test_fails_on_the_article_save_under_zero3(tmp_path):
-    checkout = make_checkout(tmp_path / "DeepSpeed-Chat", broken_code("article_utils.py"))
-    report = run_smoke(checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2, console=quiet_console(),
-                       timeout=300)
+def test_fails_on_the_article_save_under_zero3(zero3_article_run):
+    report, _ = zero3_article_run
     assert not report.ok
     bad = failed(report)
     assert "no config.json" in bad["config"]

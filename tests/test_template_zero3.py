@@ -65,16 +65,20 @@ def _check_against_reference(tmp_path, expected_keys, dtype):
 
 
 def _variants(**named):
-    """--variants for the trainer: name -> (environment, fail_rank); each saves again into tmp_path/name."""
-    return json.dumps([{"dir": str(path), "env": env, "fail_rank": fail} for path, (env, fail) in named.items()])
+    """--variants for the trainer: folder -> (environment, fail_rank[, misuse_zero_stage]); each saves again
+    into that folder."""
+    return json.dumps([{"dir": str(path), "env": how[0], "fail_rank": how[1],
+                        "misuse_zero_stage": how[2] if len(how) > 2 else None} for path, how in named.items()])
 
 
 def test_zero3_two_cpu_ranks_clone(tmp_path):
+    """The save, then again gathering one at a time and in 0.3 MB buckets, then once misused (below)."""
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "pytorch_model.bin").write_text("stale")
-    one, mid = tmp_path / "one_at_a_time", tmp_path / "bucket_300k"
+    one, mid, misused = tmp_path / "one_at_a_time", tmp_path / "bucket_300k", tmp_path / "misused"
     code, output = run_trainer(tmp_path, 2, 3, "--variants", _variants(**{
-        str(one): ({"DSFIX_GATHER_BUCKET_MB": "0"}, None), str(mid): ({"DSFIX_GATHER_BUCKET_MB": "0.3"}, None)}))
+        str(one): ({"DSFIX_GATHER_BUCKET_MB": "0"}, None), str(mid): ({"DSFIX_GATHER_BUCKET_MB": "0.3"}, None),
+        str(misused): ({}, None, 0)}))
     assert code == 0, output[-6000:]
     assert '"world_size": 2' in output and '"zero_stage": 3' in output
     assert "[dsfix] lm_head.weight shares storage with model.embed_tokens.weight: written as its own copy" in output
@@ -93,6 +97,13 @@ def test_zero3_two_cpu_ranks_clone(tmp_path):
     first = (tmp_path / "out" / "model.safetensors").read_bytes()
     assert (one / "model.safetensors").read_bytes() == first
     assert (mid / "model.safetensors").read_bytes() == first
+
+    # Passing zero_stage=0 under ZeRO-3 makes rank 0 write without gathering: the empty placeholders must
+    # fail verification before a byte is written, not be reported as 311 saved tensors.
+    refused = re.search(r"\[train\] variant misused on rank 0: failed: (.*); gathers 0", output)
+    assert refused and "verification failed" in refused.group(1) and "ZeRO-3 placeholder" in refused.group(1)
+    assert output.count("[dsfix] verified") == 3  # the three saves above, not this one
+    assert not [n for n in os.listdir(misused) if n.startswith(("model", ".")) or n.endswith(".bin")]
 
 
 def test_zero3_two_cpu_ranks_bf16_dedupe_sharded(tmp_path):
@@ -131,16 +142,6 @@ def test_zero3_four_cpu_ranks_parallel_writes(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(parallel))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(torch.equal(v, single[k]) for k, v in model.state_dict().items())
-
-
-def test_zero3_placeholders_without_gathering_are_refused(tmp_path):
-    # Passing zero_stage=0 under ZeRO-3 makes rank 0 write without gathering: the empty
-    # placeholders must fail verification, not be reported as 311 saved tensors.
-    code, output = run_trainer(tmp_path, 2, 3, "--misuse_zero_stage", "0")
-    assert code != 0
-    assert "verification failed" in output and "ZeRO-3 placeholder" in output
-    assert "[dsfix] verified" not in output
-    assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_zero0_one_rank(tmp_path):
