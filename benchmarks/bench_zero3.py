@@ -24,9 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 sys.path.insert(0, common.REPO_ROOT)
-from patcher.cpu_ranks import rank_env, skip_shm_allreduce  # noqa: E402
+from patcher.cpu_ranks import deepspeed_launcher, free_port, rank_env, run_group, skip_shm_allreduce  # noqa: E402
 
 METHODS = (("one", "dsfix one at a time"), ("bucketed", "dsfix bucketed (default)"),
            ("dedupe", "dsfix bucketed, dedupe (upstream's bytes)"),
@@ -107,14 +104,7 @@ def worker(args):
     template = common.template()
     largest = max(p.ds_numel * p.element_size() for p in engine.module.parameters())
     model_bytes = sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
-    gathers = [0]
-
-    class Counting(deepspeed.zero.GatheredParameters):  # DeepSpeed's own class, counted
-        def __enter__(self):
-            gathers[0] += bool(self.enabled)
-            return super().__enter__()
-
-    deepspeed.zero.GatheredParameters = Counting
+    gathers = common.load_file_module("fixtures", "step1_trainer", "train.py").count_gathers(deepspeed)
     if rank == 0:
         common.warm_page_cache(args.work, model_bytes + largest)
     methods = [m for m, _ in METHODS if m in args.methods.split(",")]
@@ -167,25 +157,17 @@ def worker(args):
 
 def launch(world, args, work):
     """deepspeed --num_gpus WORLD this file --worker ...; returns the result, or None (output on stderr)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or "deepspeed"
     result = os.path.join(work, "result-%d.json" % world)
-    cmd = [launcher, "--num_gpus", str(world), "--master_port", str(port), os.path.abspath(__file__), "--worker",
+    cmd = [deepspeed_launcher() or "deepspeed", "--num_gpus", str(world), "--master_port", str(free_port()),
+           os.path.abspath(__file__), "--worker",
            "--config", args.config, "--rounds", str(args.rounds), "--methods", args.methods,
            "--bucket-mb", str(args.bucket_mb), "--parallel-shard-mb", str(args.parallel_shard_mb),
            "--work", work, "--result", result]
-    env = dict(rank_env(), OMP_NUM_THREADS="1", PYTHONPATH=common.REPO_ROOT)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
-        output, _ = proc.communicate()
-    if proc.returncode != 0 or not os.path.exists(result):
-        print("[bench] %d ranks failed (exit %s):\n%s" % (world, proc.returncode, output[-4000:]), file=sys.stderr)
+    env = dict(rank_env(), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=common.REPO_ROOT)
+    code, output = run_group(cmd, env, args.timeout)  # killed whole past the limit: the launcher and its ranks
+    if code != 0 or not os.path.exists(result):
+        how = "killed after %ds" % args.timeout if code is None else "exit %s" % code
+        print("[bench] %d ranks failed (%s):\n%s" % (world, how, output[-4000:]), file=sys.stderr)
         return None
     with open(result) as handle:
         return json.load(handle)

@@ -1,7 +1,10 @@
-"""What every DeepSpeed rank that dsfix starts on a CPU needs: the same setup for ``dsfix smoke``, the
-tests' step-1 trainer and the ZeRO-3 benchmark.
+"""Starting DeepSpeed ranks on one machine, the same way for ``dsfix smoke``, the tests' step-1 trainer
+and the ZeRO-3 benchmark.
 
-- :func:`rank_env` (launcher side): DeepSpeed's CPU accelerator, no CUDA, and gloo on the loopback
+- :func:`free_port`, :func:`deepspeed_launcher` and :func:`run_group` (launcher side): a port for the
+  rendezvous, the ``deepspeed`` launcher of this Python, and a run in a process group of its own that is
+  killed whole on a timeout or an interruption, so that no rank outlives it.
+- :func:`rank_env` (launcher side, CPU): DeepSpeed's CPU accelerator, no CUDA, and gloo on the loopback
   interface. All ranks run on one machine, so gloo need not resolve the host name, which a sandbox or a
   container may not map to a usable address.
 - :func:`skip_shm_allreduce` (rank side, before ``deepspeed.init_distributed``): DeepSpeed's CPU backend
@@ -17,19 +20,49 @@ No torch here: :mod:`patcher.smoke` imports this on the command line's path.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 
 SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's name for the op (ShareMemCommBuilder.NAME)
 
 
-def rank_env(base: dict | None = None, *, threads: int | None = None) -> dict:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def deepspeed_launcher() -> str | None:
+    """The ``deepspeed`` launcher beside this Python (its virtual environment's), else on PATH, else None."""
+    return shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
+
+
+def run_group(cmd: list, env: dict, timeout: float, cwd=None) -> tuple:
+    """Runs ``cmd`` (a launcher and the ranks it starts) in a process group of its own: (exit code, output),
+    the exit code None when it ran past ``timeout`` seconds. The group is killed then, or when this process
+    is interrupted while waiting."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def rank_env(base: dict | None = None) -> dict:
     """A copy of ``base`` (default: this process's environment) for CPU ranks."""
     env = dict(os.environ if base is None else base)
     env["DS_ACCELERATOR"] = "cpu"
     env["CUDA_VISIBLE_DEVICES"] = ""
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if threads is not None:
-        env.setdefault("OMP_NUM_THREADS", str(threads))
     if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env

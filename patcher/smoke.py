@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from patcher.cpu_ranks import rank_env
+from patcher.cpu_ranks import free_port, rank_env
 from patcher.errors import DsfixError
 from patcher.verify import Check, Checks, checks_table, load_check, verify_folder
 
@@ -143,12 +143,11 @@ def _prepare_out(keep) -> tuple[Path, Optional[Path]]:
 
 
 def _worker_env(device: str, nproc: int) -> dict:
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    env = rank_env(threads=threads) if device == "cpu" else dict(os.environ)
+    env = rank_env() if device == "cpu" else dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(_SRC_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return env
 
 
@@ -156,14 +155,6 @@ def launcher_command(nproc: int, spec_path, port: int | str = "PORT") -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
             "--master_addr", "127.0.0.1", "--master_port", str(port),
             "--nproc_per_node", str(nproc), "-m", "patcher.smoke_worker", str(spec_path)]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str, int]:

@@ -65,19 +65,25 @@ def zero3_article_run(tmp_path_factory):
     it printed and the folder it wrote ([0]-shaped placeholders, no config.json). Returns (report, folder)."""
     pytest.importorskip("deepspeed")
     from patcher.smoke import run_smoke
-    from smokekit import NARROW, broken_code, make_checkout, quiet_console, stale_extensions
+    from smokekit import NARROW, broken_code, make_checkout, quiet_console
 
     base = tmp_path_factory.mktemp("zero3-article")
     checkout = make_checkout(base / "DeepSpeed-Chat", broken_code("article_utils.py"))
-    # a rank that tried to build DeepSpeed's shared-memory all-reduce would wait on this lock until the timeout
-    saved = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(stale_extensions(base))
-    try:
-        report = run_smoke(checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2, keep=base / "out",
-                           console=quiet_console(), timeout=300)
-    finally:
-        if saved is None:
-            os.environ.pop("TORCH_EXTENSIONS_DIR")
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = saved
+    report = run_smoke(checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2, keep=base / "out",
+                       console=quiet_console(), timeout=300)
     return report, base / "out"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def killed_op_build(tmp_path_factory):
+    """Every process the tests start finds a torch extensions folder holding the lock of a killed build of
+    DeepSpeed's shared-memory all-reduce: one that tried to build that op would wait on the lock until its
+    test's limit. So every launch of ranks also checks that they use gloo alone (patcher.cpu_ranks)."""
+    from patcher.cpu_ranks import SHM_OP
+
+    folder = tmp_path_factory.mktemp("torch-extensions")
+    (folder / SHM_OP).mkdir()
+    (folder / SHM_OP / "lock").touch()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_EXTENSIONS_DIR", str(folder))
+        yield folder

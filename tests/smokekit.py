@@ -6,17 +6,11 @@ here, not copied from upstream) followed by the code under test, plus a stub ste
 from __future__ import annotations
 
 import io
-import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from patcher.cpu_ranks import SHM_OP, rank_env
-from patcher.smoke import free_port
+from patcher.cpu_ranks import deepspeed_launcher, free_port, rank_env, run_group
 
 REPO = Path(__file__).resolve().parent.parent
 NARROW = REPO / "fixtures" / "models" / "qwen3-narrow" / "config.json"
@@ -130,43 +124,17 @@ def narrow_model(dtype="float32", seed=0):
 # --------------------------------------------------------------------------- the step-1-like trainer, launched
 
 
-def stale_extensions(tmp_path):
-    """A torch extensions folder where a build of DeepSpeed's shared-memory all-reduce was killed mid-way."""
-    folder = tmp_path / "torch-extensions"
-    (folder / SHM_OP).mkdir(parents=True, exist_ok=True)
-    (folder / SHM_OP / "lock").touch()
-    return folder
-
-
-def _launcher():
-    found = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
-    if found is None:
-        pytest.skip("the deepspeed launcher is not installed")
-    return found
-
-
 def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
-    """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout.
-
-    The ranks get a torch extensions folder holding the lock of a killed build of DeepSpeed's shared-memory
-    all-reduce: a rank that tried to build that op would wait on the lock forever, so every run here also
-    checks that the ranks use gloo alone (patcher.cpu_ranks)."""
-    port = free_port()
-    cmd = [_launcher(), "--num_gpus", str(nprocs), "--master_port", str(port), str(TRAINER),
+    """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout."""
+    launcher = deepspeed_launcher()
+    if launcher is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(TRAINER),
            "--utils", str(utils or TEMPLATE), "--output_dir", str(tmp_path / "out"),
            "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
-    env = rank_env(threads=1)
-    env.update(PYTHONUNBUFFERED="1", TORCH_EXTENSIONS_DIR=str(stale_extensions(tmp_path)))
-    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started: launcher and its ranks
-        output, _ = proc.communicate()
+    env = rank_env()
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    code, output = run_group(cmd, env, LAUNCH_TIMEOUT_S, cwd=str(REPO))
+    if code is None:
         pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
-    finally:
-        if proc.poll() is None:  # interrupted: leave no rank behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, output
+    return code, output

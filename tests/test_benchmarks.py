@@ -11,9 +11,9 @@ pytest.importorskip("transformers")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, tmp_path, *extra, **env_extra):
+def _run(script, tmp_path, *extra):
     json_path = tmp_path / "bench.json"
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **env_extra)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks", script), "--quick",
                            "--tmpdir", str(tmp_path), "--json", str(json_path)] + list(extra),
                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -38,14 +38,10 @@ def test_bench_save_quick(tmp_path):
     assert clone_data < by_method["dsfix_clone"]["bytes_written"] < clone_data + 64 * 1024
 
 
-def test_bench_zero3_quick(tmp_path, tmp_path_factory):
+def test_bench_zero3_quick(tmp_path):
     pytest.importorskip("deepspeed")
-    from smokekit import stale_extensions
-
-    # its own per-launch limit, below this test's, so that a hung launch is killed with all its ranks; the
-    # lock of a killed build hangs any rank that would build DeepSpeed's shared-memory all-reduce
-    text, runs = _run("bench_zero3.py", tmp_path, "--timeout", "300",
-                      TORCH_EXTENSIONS_DIR=str(stale_extensions(tmp_path_factory.mktemp("bench-z3"))))
+    # its own per-launch limit, below this test's, so that a hung launch is killed with all its ranks
+    text, runs = _run("bench_zero3.py", tmp_path, "--timeout", "300")
     assert "#### 2 ranks" in text and "dsfix bucketed / faster of upstream and DeepSpeed" in text
     (run,) = runs
     summary = run["summary"]

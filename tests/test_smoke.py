@@ -15,8 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from smokekit import (NARROW, TEMPLATE, broken_code, make_checkout, narrow_model, quiet_console,  # noqa: E402
-                      stale_extensions)
+from smokekit import NARROW, TEMPLATE, broken_code, make_checkout, narrow_model, quiet_console  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
 from patcher.smoke import run_smoke  # noqa: E402
 from patcher.smoke_worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
@@ -66,9 +65,7 @@ def test_passes_in_process_and_keeps_stdout_clean(good_checkout, capfd):
 
 @needs_template
 @needs_deepspeed
-def test_passes_under_zero3_with_two_ranks(good_checkout, tmp_path, monkeypatch):
-    # a rank that tried to build DeepSpeed's shared-memory all-reduce would wait on this lock until the timeout
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(stale_extensions(tmp_path)))
+def test_passes_under_zero3_with_two_ranks(good_checkout, tmp_path):
     shm = Path("/dev/shm")
     buffers_before = set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
     report = run_smoke(good_checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2,
