@@ -57,7 +57,7 @@ shutil.copyfile(src, dst)
 fd = os.open(dst, os.O_RDONLY); os.fsync(fd); os.close(fd)
 '''
 
-IMPORTS = "import torch, transformers, safetensors.torch, patcher.convert, patcher.verify"
+IMPORTS = "import torch, transformers, safetensors.torch, patcher.checkpoint.convert, patcher.checkpoint.verify"
 
 METHODS = (
     ("convert", "dsfix convert", ["-m", "patcher", "convert", "{dir}", "--json"]),
@@ -100,7 +100,7 @@ def make_folder(config_path, folder):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sys.path.insert(0, REPO_ROOT)
-    from patcher.verify import dtype_kwarg
+    from patcher.checkpoint.verify import dtype_kwarg
 
     cfg = AutoConfig.from_pretrained(config_path)
     torch.manual_seed(0)

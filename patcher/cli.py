@@ -176,9 +176,9 @@ def _patch_command(verb: str, doc: str):
         script: List[Path] = SCRIPT_OPT,
         as_json: bool = JSON_OPT,
     ):
-        from patcher import pipeline
+        from patcher.patch import flow
 
-        outcome = getattr(pipeline, verb)(repo, strategy.value, _steps(steps), main_script, script)
+        outcome = getattr(flow, verb)(repo, strategy.value, _steps(steps), main_script, script)
         if verb == "check" and not as_json:
             sys.stdout.flush()
             sys.stdout.buffer.write(outcome.diff)
@@ -204,9 +204,9 @@ def revert(
     as_json: bool = JSON_OPT,
 ):
     """Undo apply. Exit 0: restored or nothing to restore, 1: refused because files changed, 2: error."""
-    from patcher import pipeline
+    from patcher.patch import flow
 
-    outcome = pipeline.revert(repo, force=force, main=main_script, scripts=script)
+    outcome = flow.revert(repo, force=force, main=main_script, scripts=script)
     _finish(outcome, as_json)
 
 
@@ -229,7 +229,7 @@ def verify(
     as_json: bool = JSON_OPT,
 ):
     """Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input."""
-    from patcher.verify import KIND_TEXT, checks_table, model_folders, verify_folder
+    from patcher.checkpoint.verify import KIND_TEXT, checks_table, model_folders, verify_folder
 
     folders = model_folders(folder)
     reports = []
@@ -263,8 +263,8 @@ def convert(
     as_json: bool = JSON_OPT,
 ):
     """Turn .bin weights into a verified safetensors folder. Exit 0: converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused pickle."""
-    from patcher.convert import convert as run_convert
-    from patcher.verify import KIND_TEXT, checks_table
+    from patcher.checkpoint.convert import convert as run_convert
+    from patcher.checkpoint.verify import KIND_TEXT, checks_table
 
     report = run_convert(folder, strategy=strategy.value, remove_bin=remove_bin, load=load, console=err.console)
     for result in report.folders:
@@ -292,8 +292,8 @@ def smoke(
     as_json: bool = JSON_OPT,
 ):
     """Run the checkout's save on a real Qwen3 model, then verify it. Exit 0: all checks hold, 1: a check failed, 2: error."""
-    from patcher.locate import find_checkout
-    from patcher.smoke import run_smoke
+    from patcher.patch.locate import find_checkout
+    from patcher.checkpoint.smoke import run_smoke
 
     checkout = find_checkout(repo)
     if expect is None and model is None and config is None:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 from rich.table import Table
 
-from patcher import pipeline
+from patcher.patch import flow
 from patcher.errors import DsfixError
 
 DEMO_CHECKOUT = "checkouts/package"
 
 
 def demo_checkout_source() -> Path:
-    from patcher.smoke import fixture_path
+    from patcher.checkpoint.smoke import fixture_path
 
     return fixture_path(f"{DEMO_CHECKOUT}/README.md").parent
 
@@ -28,8 +28,8 @@ def _snapshot(root: Path) -> dict:
 
 def show_changes(console, co: Path, out) -> None:
     """The scripts' diffs in full (on stdout); for utils.py, a summary of dsfix's insertion."""
-    from patcher.diff import insertions, unified_diff
-    from patcher.plan import Status
+    from patcher.patch.diff import insertions, unified_diff
+    from patcher.patch.plan import Status
 
     for f in out.files:
         if f.status != Status.WOULD_CHANGE:
@@ -58,7 +58,7 @@ def show_changes(console, co: Path, out) -> None:
 
 
 def run_demo(console, device: str = "auto", keep: Path | None = None) -> int:
-    from patcher.smoke import run_smoke
+    from patcher.checkpoint.smoke import run_smoke
 
     base = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="dsfix-demo-"))
     co = base / "DeepSpeed-Chat"
@@ -75,16 +75,16 @@ def run_demo(console, device: str = "auto", keep: Path | None = None) -> int:
     try:
         console.rule("[bold]1/4 dsfix check[/]: what dsfix would change")
         t0 = time.perf_counter()
-        out = pipeline.check(co)
+        out = flow.check(co)
         show_changes(console, co, out)
         step("check", out.exit_code == 1, out.message, t0)
 
         console.rule("[bold]2/4 dsfix apply[/]")
         t0 = time.perf_counter()
-        out = pipeline.apply(co)
+        out = flow.apply(co)
         for f in out.files:
             console.print(f"  {f.status.value}: {f.rel}", markup=False)
-        again = pipeline.check(co)
+        again = flow.check(co)
         step("apply", again.exit_code == 0, f"{out.message}; check afterwards: {again.message}", t0)
 
         console.rule("[bold]3/4 dsfix smoke[/]: the inserted save on a random Qwen3-0.6B")
@@ -95,7 +95,7 @@ def run_demo(console, device: str = "auto", keep: Path | None = None) -> int:
 
         console.rule("[bold]4/4 dsfix revert[/]")
         t0 = time.perf_counter()
-        out = pipeline.revert(co)
+        out = flow.revert(co)
         exact = _snapshot(co) == original
         step("revert", exact, out.message + ("; every byte as before" if exact else "; FILES DIFFER"), t0)
     finally:

@@ -46,13 +46,13 @@ def zero3_patched_run(tmp_path_factory):
     pytest.importorskip("deepspeed")
     import shutil
 
-    from patcher import pipeline
+    from patcher.patch import flow
     from smokekit import REPO, run_trainer
 
     tmp_path = tmp_path_factory.mktemp("zero3-patched")
     checkout = tmp_path / "checkout"
     shutil.copytree(REPO / "fixtures" / "checkouts" / "package", checkout)
-    assert pipeline.apply(checkout).exit_code == 0
+    assert flow.apply(checkout).exit_code == 0
     variants = json.dumps([{"dir": str(tmp_path / "original"), "original": True}])
     code, output = run_trainer(tmp_path, 2, 3, "--variants", variants,
                                utils=checkout / "dschat" / "utils" / "utils.py")
@@ -64,7 +64,7 @@ def zero3_article_run(tmp_path_factory):
     """The article's hand edit run by `dsfix smoke` on real ZeRO-3 engines, 2 CPU ranks (gloo), bf16: what
     it printed and the folder it wrote ([0]-shaped placeholders, no config.json). Returns (report, folder)."""
     pytest.importorskip("deepspeed")
-    from patcher.smoke import run_smoke
+    from patcher.checkpoint.smoke import run_smoke
     from smokekit import NARROW, broken_code, make_checkout, quiet_console
 
     base = tmp_path_factory.mktemp("zero3-article")
@@ -78,8 +78,8 @@ def zero3_article_run(tmp_path_factory):
 def killed_op_build(tmp_path_factory):
     """Every process the tests start finds a torch extensions folder holding the lock of a killed build of
     DeepSpeed's shared-memory all-reduce: one that tried to build that op would wait on the lock until its
-    test's limit. So every launch of ranks also checks that they use gloo alone (patcher.cpu_ranks)."""
-    from patcher.cpu_ranks import SHM_OP
+    test's limit. So every launch of ranks also checks that they use gloo alone (patcher.checkpoint.ranks)."""
+    from patcher.checkpoint.ranks import SHM_OP
 
     folder = tmp_path_factory.mktemp("torch-extensions")
     (folder / SHM_OP).mkdir()

@@ -32,9 +32,9 @@ from torch import nn  # noqa: E402
 
 from smokekit import NARROW, narrow_model  # noqa: E402
 from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
-from patcher.convert import convert  # noqa: E402
+from patcher.checkpoint.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patcher.verify import verify_folder  # noqa: E402
+from patcher.checkpoint.verify import verify_folder  # noqa: E402
 
 PROBE = torch.tensor([[5, 17, 3, 99, 250, 7, 42, 1, 300]])
 
@@ -499,7 +499,7 @@ def test_progress_bar_only_on_a_terminal(tmp_path, model):
 
 
 def test_import_keeps_torch_out():
-    code = ("import sys, patcher.cli, patcher.convert, patcher.verify; "
+    code = ("import sys, patcher.cli, patcher.checkpoint.convert, patcher.checkpoint.verify; "
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

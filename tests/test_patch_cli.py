@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from patcher.template import load_template
+from patcher.patch.template import load_template
 from patchkit import FIXTURES, cli, copy_fixture, git_apply, pyflakes_messages, run, snapshot
 
 CHECKOUTS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and not (p / "FIXTURE.json").exists())

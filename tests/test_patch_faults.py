@@ -152,7 +152,7 @@ def test_debug_shows_a_traceback(tmp_path):
 
 
 def test_failure_writing_the_second_file_leaves_everything_as_it_was(tmp_path, monkeypatch):
-    from patcher import state
+    from patcher.patch import state
 
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
@@ -173,7 +173,7 @@ def test_failure_writing_the_second_file_leaves_everything_as_it_was(tmp_path, m
 
 
 def test_state_folder_that_cannot_be_written(tmp_path, monkeypatch):
-    from patcher import state
+    from patcher.patch import state
 
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
@@ -193,7 +193,7 @@ def test_state_folder_that_cannot_be_written(tmp_path, monkeypatch):
 def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkeypatch):
     """apply --strategy dedupe, then an apply (clone) whose write of utils.py fails: nothing changes, the
     state folder included, and revert still restores the original."""
-    from patcher import state
+    from patcher.patch import state
 
     co = copy_fixture("package", tmp_path)
     original = snapshot(co)
@@ -217,7 +217,7 @@ def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkey
 
 
 def test_interrupt_mid_apply_rolls_back(tmp_path, monkeypatch):
-    from patcher import state
+    from patcher.patch import state
 
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
@@ -230,9 +230,9 @@ def test_interrupt_mid_apply_rolls_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(state.os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):  # raised only while replacing the checkout's main.py
-        from patcher import pipeline
+        from patcher.patch import flow
 
-        pipeline.apply(co)
+        flow.apply(co)
     assert snapshot(co) == before
 
 
@@ -419,8 +419,8 @@ def test_damaged_state_folder_is_reported(tmp_path):
 def test_patch_path_never_imports_torch(tmp_path):
     co = copy_fixture("package", tmp_path)
     code = (
-        "import sys; from patcher import cli, pipeline; pipeline.check(sys.argv[1]); pipeline.apply(sys.argv[1]); "
-        "pipeline.revert(sys.argv[1]); "
+        "import sys; from patcher import cli; from patcher.patch import flow; flow.check(sys.argv[1]); flow.apply(sys.argv[1]); "
+        "flow.revert(sys.argv[1]); "
         "bad = [m for m in ('torch', 'transformers', 'deepspeed', 'safetensors') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from patchkit import FIXTURES, pyflakes_messages
-from patcher import plan as planner
-from patcher import signature, transforms
+from patcher.patch import plan as planner
+from patcher.patch import signature, transforms
 from patcher.errors import DsfixError
-from patcher.plan import Target
-from patcher.template import load_template, parse_template
+from patcher.patch.plan import Target
+from patcher.patch.template import load_template, parse_template
 
 MOD = "dschat.utils.utils"
 # DSFIX_FUZZ_SCALE=10 runs ten times as many examples (the CI default keeps the suite quick).

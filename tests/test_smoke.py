@@ -1,4 +1,4 @@
-"""patcher.smoke: run a checkout's own save functions as step 1 does, then verify (CPU, narrow Qwen3).
+"""patcher.checkpoint.smoke: run a checkout's own save functions as step 1 does, then verify (CPU, narrow Qwen3).
 
 Multi-rank runs use real DeepSpeed engines on its CPU accelerator with gloo, started through
 ``python -m torch.distributed.run``.
@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 
 from smokekit import NARROW, TEMPLATE, broken_code, make_checkout, narrow_model, quiet_console  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patcher.smoke import run_smoke  # noqa: E402
-from patcher.smoke_worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
+from patcher.checkpoint.smoke import run_smoke  # noqa: E402
+from patcher.checkpoint.smoke_worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
 
 needs_template = pytest.mark.skipif(not TEMPLATE.is_file(), reason="templates/save_safetensors.py not written yet")
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
@@ -72,7 +72,7 @@ def test_passes_under_zero3_with_two_ranks(good_checkout, tmp_path):
                        keep=tmp_path / "out", console=quiet_console(), timeout=300)
     assert report.ok, report.to_json()
     assert report.backend == "gloo" and report.nproc == 2
-    assert "--master_addr 127.0.0.1 --master_port PORT --nproc_per_node 2 -m patcher.smoke_worker" in report.launcher
+    assert "--master_addr 127.0.0.1 --master_port PORT --nproc_per_node 2 -m patcher.checkpoint.smoke_worker" in report.launcher
     save = report.check("save").detail
     assert "310 of 310 parameters partitioned" in save
     assert "save_zero_three_model_safetensors on all 2 ranks" in save

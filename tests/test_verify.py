@@ -1,4 +1,4 @@
-"""patcher.verify: checks a saved folder against its config, reading headers (CPU, narrow Qwen3)."""
+"""patcher.checkpoint.verify: checks a saved folder against its config, reading headers (CPU, narrow Qwen3)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from smokekit import FULL, NARROW, narrow_model  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patcher.verify import VerifyReport, verify_folder  # noqa: E402
+from patcher.checkpoint.verify import VerifyReport, verify_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +196,6 @@ def test_fixture_configs_have_311_keys():
 
 
 def test_import_does_not_load_torch():
-    code = "import sys, patcher.verify, patcher.smoke; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
+    code = "import sys, patcher.checkpoint.verify, patcher.checkpoint.smoke; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,7 +1,7 @@
 """One rank of ``dsfix smoke``: load the checkout's save functions, build a model, save it as step 1 does.
 
-``patcher.smoke`` runs :func:`run_rank` in its own process for a plain one-rank save, or launches
-``python -m torch.distributed.run --standalone --nproc_per_node N -m patcher.smoke_worker SPEC.json``
+``patcher.checkpoint.smoke`` runs :func:`run_rank` in its own process for a plain one-rank save, or launches
+``python -m torch.distributed.run --standalone --nproc_per_node N -m patcher.checkpoint.smoke_worker SPEC.json``
 for DeepSpeed engines (ZeRO 1-3) and several ranks. Each rank writes ``result-<rank>.json`` into
 the spec's work folder; rank 0 also writes the reference logits the reloaded folder must reproduce.
 Nothing here prints to stdout: the save functions' own prints are captured into the result.
@@ -22,7 +22,7 @@ import traceback
 from argparse import Namespace
 from pathlib import Path
 
-from patcher.cpu_ranks import skip_shm_allreduce
+from patcher.checkpoint.ranks import skip_shm_allreduce
 
 SAVE_HF = "save_hf_format_safetensors"
 SAVE_Z3 = "save_zero_three_model_safetensors"
@@ -133,7 +133,7 @@ def make_tiny_tokenizer(folder):
     over a ~300-token byte-level BPE, its vocabulary kept in ``folder`` (so save_pretrained works)."""
     import importlib.util
 
-    from patcher.smoke import fixture_path
+    from patcher.checkpoint.smoke import fixture_path
 
     spec = importlib.util.spec_from_file_location("dsfix_tiny_qwen3", fixture_path("step1_trainer/tiny_qwen3.py"))
     helper = importlib.util.module_from_spec(spec)
@@ -144,7 +144,7 @@ def make_tiny_tokenizer(folder):
 def build_model(spec: dict, torch_dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from patcher.verify import dtype_kwarg
+    from patcher.checkpoint.verify import dtype_kwarg
 
     kw = {dtype_kwarg(): torch_dtype}
     if spec.get("model_dir"):
@@ -326,7 +326,7 @@ def run_rank(spec: dict) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m torch.distributed.run ... -m patcher.smoke_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m torch.distributed.run ... -m patcher.checkpoint.smoke_worker SPEC.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     spec["distributed"] = True

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from patcher import calls, transforms
-from patcher.diff import split_lines
+from patcher.patch import calls, transforms
+from patcher.patch.diff import split_lines
 from patcher.errors import DsfixError
-from patcher.template import Template, _defined_name, is_dsfix_name, load_loader
+from patcher.patch.template import Template, _defined_name, is_dsfix_name, load_loader
 
 STEP2_WARNING = (
     "step 2 will save model.safetensors, but dsfix found no model_utils.py defining create_critic_model, step 3's "

@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.calls import Source, parse_script, statements
+from patcher.patch.calls import Source, parse_script, statements
 from patcher.errors import DsfixError
-from patcher.names import SAVE_NAMES
+from patcher.patch.names import SAVE_NAMES
 
 _ANCESTORS = 4  # folders above the DeepSpeed-Chat folder searched when no .git marks the repository root
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import libcst as cst
 
 from patcher.errors import DsfixError
-from patcher.names import PUBLIC_NAMES
+from patcher.resources import resource_path
+from patcher.patch.names import PUBLIC_NAMES
 
 TEMPLATE_FILE = "save_safetensors.py"
 LOADER_FILE = "load_safetensors.py"
@@ -67,19 +68,7 @@ class Template:
 
 
 def template_path(name: str = TEMPLATE_FILE) -> Path:
-    here = Path(__file__).resolve().parent
-    for p in (here / "templates" / name, here.parent / "templates" / name):
-        if p.is_file():  # an installed wheel (patcher/templates/), then the source tree
-            return p
-    try:
-        from importlib.resources import files
-
-        p = files("patcher.templates").joinpath(name)
-        if p.is_file():
-            return Path(str(p))
-    except (ModuleNotFoundError, TypeError, FileNotFoundError):
-        pass
-    raise DsfixError(f"dsfix's template {name} is missing from this installation")
+    return resource_path("templates", name)
 
 
 def dotted(node: cst.BaseExpression) -> str:

@@ -4,14 +4,14 @@
 ``save_pretrained`` folder (310: the tied ``lm_head.weight`` dropped), or a broken save. It builds the
 model from config.json on the meta device to learn the expected keys, shapes and tied aliases, then
 compares the file headers with them. torch and transformers are imported inside the functions, so
-``import patcher.verify`` stays cheap for the patch path.
+``import patcher.checkpoint.verify`` stays cheap for the patch path.
 
 Two kinds of folder, told apart by their keys:
 
 * ``causal-lm``: step 1's model and step 3's ``actor``/``actor_ema``, checked against
   ``AutoModelForCausalLM.from_config`` and loaded with ``from_pretrained``;
 * ``critic``: step 2's reward model and step 3's ``critic`` (``rwtransformer.*`` plus ``v_head.weight``,
-  with the base model's config), checked against :class:`patcher.critic.CriticModel` built the way
+  with the base model's config), checked against :class:`patcher.checkpoint.critic.CriticModel` built the way
   DeepSpeed-Chat's ``create_critic_model`` builds it, and loaded into that module with strict key
   matching.
 
@@ -231,7 +231,7 @@ def meta_model(cfg, kind: str = CAUSAL_LM):
     import torch
 
     if kind == CRITIC:
-        from patcher.critic import build_critic
+        from patcher.checkpoint.critic import build_critic
 
         return build_critic(cfg)
     from transformers import AutoModelForCausalLM
@@ -454,7 +454,7 @@ def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
 def critic_load_check(path, head: Optional[_Header] = None) -> Check:
     """Load a critic folder the way step 3 does without from_pretrained (which a RewardModel lacks).
 
-    Builds :class:`patcher.critic.CriticModel` from config.json (parameters on meta, buffers real),
+    Builds :class:`patcher.checkpoint.critic.CriticModel` from config.json (parameters on meta, buffers real),
     loads every tensor of the files into it with ``load_state_dict(strict=True, assign=True)``, checks
     that no parameter is left on meta and that each of the module's tensors holds its key's data, then
     runs it on a few tokens: one finite value per token.
@@ -463,7 +463,7 @@ def critic_load_check(path, head: Optional[_Header] = None) -> Check:
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from patcher.critic import build_critic
+    from patcher.checkpoint.critic import build_critic
 
     folder = Path(path)
     try:

@@ -7,12 +7,12 @@ DeepSpeed-Chat's unpatched saves write ``pytorch_model.bin`` (a pickle) beside `
 2. loads every ``.bin`` with ``torch.load(weights_only=True, map_location="cpu", mmap=True)`` (``mmap``
    only for zip-format files) and refuses, before anything is written, a pickle that needs code to load;
 3. plans the tensors against the config's model built on the meta device (the causal LM, or the critic
-   as ``create_critic_model`` builds it, see :mod:`patcher.critic`): a tied alias that the save dropped
+   as ``create_critic_model`` builds it, see :mod:`patcher.checkpoint.critic`): a tied alias that the save dropped
    (upstream's ZeRO-3 save keeps ``named_parameters()`` only, so ``lm_head.weight`` is missing) is
    restored from its partner under ``clone``; an alias present is dropped under ``dedupe``. Keys, shapes,
    dtypes and non-emptiness are checked here, before writing: a failure writes nothing (exit 1);
 4. writes the safetensors files with ``safetensors.torch.save_file`` into a temporary folder inside
-   ``DIR``, fsyncs them, runs :func:`patcher.verify.verify_folder` on that folder (load included), and
+   ``DIR``, fsyncs them, runs :func:`patcher.checkpoint.verify.verify_folder` on that folder (load included), and
    compares every written tensor bit for bit with the ``.bin``'s;
 5. only when every folder passed, renames the files into place (shards first, the index last), fsyncs
    the folder, and removes the ``.bin`` files if asked. Any failure before that leaves every folder as
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Optional
 
 from patcher.errors import DsfixError
-from patcher.verify import (
+from patcher.checkpoint.verify import (
     CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Checks, _examples, _Header, model_folders,
 )
 
@@ -320,7 +320,7 @@ def load_bin(path: Path) -> tuple[dict, bool]:
 
 def _plan_tensors(plan: _Plan, strategy: str) -> None:
     """Decide the output files and tensors, and check them against the config's meta model (no writing)."""
-    from patcher import verify as v
+    from patcher.checkpoint import verify as v
 
     cfg, cfg_check, cfg_dtype = v._load_config(plan.folder)
     plan.kind = v.folder_kind(plan.state)
@@ -399,7 +399,7 @@ def _source_detail(plan: _Plan) -> str:
 
 def _equal(a, b) -> bool:
     """Bit-equal; cheap when both are the same memory."""
-    from patcher.verify import same_bits
+    from patcher.checkpoint.verify import same_bits
 
     if (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
             and a.data_ptr() == b.data_ptr() and a.device == b.device):
@@ -473,7 +473,7 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from patcher.verify import CRITIC, critic_load_check, load_check, same_bits, verify_folder
+    from patcher.checkpoint.verify import CRITIC, critic_load_check, load_check, same_bits, verify_folder
 
     written = []
     try:

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from patcher.errors import LOCKED, DsfixError
-from patcher.plan import Saved, sha256
+from patcher.patch.plan import Saved, sha256
 
 STATE_DIR = ".dsfix"
 STATE_VERSION = 2

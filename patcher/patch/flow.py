@@ -7,13 +7,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher import plan as planner
-from patcher import state as st
-from patcher.diff import stat, unified_diff
+from patcher.patch import plan as planner
+from patcher.patch import state as st
+from patcher.patch.diff import stat, unified_diff
 from patcher.errors import OK, PENDING, DsfixError
-from patcher.locate import Checkout, find_checkout, find_patched, find_state_root
-from patcher.plan import Status, Target
-from patcher.template import load_template
+from patcher.patch.locate import Checkout, find_checkout, find_patched, find_state_root
+from patcher.patch.plan import Status, Target
+from patcher.patch.template import load_template
 
 
 @dataclass

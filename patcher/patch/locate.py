@@ -1,5 +1,5 @@
 """REPO argument -> Checkout: find the DeepSpeed-Chat folder, its step-1 script and the utils.py that script
-really imports (resolved by file, see patcher.resolve), the way git finds .git."""
+really imports (resolved by file, see patcher.patch.resolve), the way git finds .git."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.errors import DsfixError
-from patcher.names import PUBLIC_NAMES, SAVE_NAMES
-from patcher.resolve import resolve_script
+from patcher.patch.names import PUBLIC_NAMES, SAVE_NAMES
+from patcher.patch.resolve import resolve_script
 
 STEP_DIRS = {
     1: "training/step1_supervised_finetuning",

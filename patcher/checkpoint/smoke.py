@@ -2,8 +2,8 @@
 
 A plain one-rank save (ZeRO 0, nproc 1) runs in this process. DeepSpeed engines (ZeRO 1-3) and
 several ranks run in ranks started by ``python -m torch.distributed.run --standalone`` (module
-``patcher.smoke_worker``): on a CPU with DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) and
-gloo, on CUDA with nccl. The folder the save wrote is checked by :func:`patcher.verify.verify_folder`,
+``patcher.checkpoint.smoke_worker``): on a CPU with DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) and
+gloo, on CUDA with nccl. The folder the save wrote is checked by :func:`patcher.checkpoint.verify.verify_folder`,
 reloaded with ``from_pretrained``, and must reproduce the in-memory model's logits.
 torch, transformers and deepspeed are imported only inside functions.
 """
@@ -25,16 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from patcher.cpu_ranks import free_port, rank_env
+from patcher.checkpoint.ranks import free_port, rank_env
 from patcher.errors import DsfixError
-from patcher.verify import Check, Checks, checks_table, load_check, verify_folder
+from patcher.resources import resource_path
+from patcher.checkpoint.verify import Check, Checks, checks_table, load_check, verify_folder
 
 SAVE_HF = "save_hf_format_safetensors"
 SAVE_Z3 = "save_zero_three_model_safetensors"
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_CONFIG = "models/qwen3-0.6b/config.json"
 _RANK_CHECKS = ("functions", "setup", "save")  # checks about the ranks themselves; their log tail helps
-_SRC_ROOT = Path(__file__).resolve().parent.parent
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds patcher/, for the ranks
 
 
 @dataclass(frozen=True)
@@ -86,19 +87,8 @@ class SmokeReport(Checks):
 
 
 def fixture_path(rel: str) -> Path:
-    """A bundled fixture: the source tree's fixtures/, else the installed ``patcher._fixtures`` package data."""
-    src = _SRC_ROOT / "fixtures" / rel
-    if src.is_file():
-        return src
-    try:
-        from importlib import resources
-
-        res = resources.files("patcher._fixtures").joinpath(rel)
-        if res.is_file():
-            return Path(str(res))
-    except (ImportError, ModuleNotFoundError, TypeError):
-        pass
-    raise DsfixError(f"bundled fixture {rel} is missing from this dsfix install; pass --config or --model")
+    """A bundled fixture (see patcher.resources)."""
+    return resource_path("fixtures", rel)
 
 
 def _utils_defines(utils_path: Path) -> set:
@@ -144,7 +134,7 @@ def _prepare_out(keep) -> tuple[Path, Optional[Path]]:
 
 def _worker_env(device: str, nproc: int) -> dict:
     env = rank_env() if device == "cpu" else dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(_SRC_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -154,7 +144,7 @@ def _worker_env(device: str, nproc: int) -> dict:
 def launcher_command(nproc: int, spec_path, port: int | str = "PORT") -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
             "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "--nproc_per_node", str(nproc), "-m", "patcher.smoke_worker", str(spec_path)]
+            "--nproc_per_node", str(nproc), "-m", "patcher.checkpoint.smoke_worker", str(spec_path)]
 
 
 def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str, int]:
@@ -243,10 +233,10 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
               train_steps: int = 1, seed: int = 1234, timeout: float = 1800) -> SmokeReport:
     """Save a model with the checkout's patched functions as step 1 would, and check what was written.
 
-    ``checkout``: a :class:`patcher.locate.Checkout` or a path. Raises DsfixError (code 2) on bad input,
+    ``checkout``: a :class:`patcher.patch.locate.Checkout` or a path. Raises DsfixError (code 2) on bad input,
     including a checkout whose utils.py has no ``save_hf_format_safetensors``; failing checks give ok=False.
     """
-    from patcher.locate import Checkout, find_checkout
+    from patcher.patch.locate import Checkout, find_checkout
 
     if console is None:
         from rich.console import Console
@@ -324,7 +314,7 @@ def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> Sm
                 log_tail = _tail(Path(spec["work_dir"]) / "ranks.log")
                 checks.append(Check("save", False, f"the ranks did not finish within {timeout:.0f}s (killed)"))
         else:
-            import patcher.smoke_worker as worker
+            import patcher.checkpoint.smoke_worker as worker
 
             spec["distributed"] = False
             results, rc = [worker.run_rank(spec)], 0  # run_smoke has stdout on stderr already

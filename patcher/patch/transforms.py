@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from patcher import calls, signature
+from patcher.patch import calls, signature
 from patcher.errors import DsfixError
-from patcher.names import NEW_NAMES, PUBLIC_NAMES, RENAMES
-from patcher.template import ImportSpec, Template, _defined_name, dotted, is_dsfix_name
+from patcher.patch.names import NEW_NAMES, PUBLIC_NAMES, RENAMES
+from patcher.patch.template import ImportSpec, Template, _defined_name, dotted, is_dsfix_name
 
 MARKER_PREFIX = "# dsfix:"
 MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
@@ -476,7 +476,7 @@ def _callee(func) -> str | None:
 
 
 class _MainEditor(cst.CSTTransformer):
-    """A libcst pass over main.py, or over one statement of it: rename the calls found by patcher.calls
+    """A libcst pass over main.py, or over one statement of it: rename the calls found by patcher.patch.calls
     (matched to libcst's nodes by their place among the candidate calls, in source order, from ``first``),
     and edit the import lists."""
 

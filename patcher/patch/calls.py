@@ -6,7 +6,7 @@ dotted modules that lead to the located utils.py: a bare ``save_hf_format(...)``
 imported module (``u.save_hf_format(...)`` after ``import dschat.utils.utils as u``). A local variable or
 parameter of the same name shadows the import, as it does when the script runs.
 
-The analysis is ``ast`` only (C speed); libcst then edits the nodes found here (patcher.transforms),
+The analysis is ``ast`` only (C speed); libcst then edits the nodes found here (patcher.patch.transforms),
 matched one to one by their place in the source.
 """
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from patcher import calls
+from patcher.patch import calls
 from patcher.errors import DsfixError
-from patcher.names import CORE, RENAMES
-from patcher.template import dotted
+from patcher.patch.names import CORE, RENAMES
+from patcher.patch.template import dotted
 
 EXTRAS = ("max_shard_size", "strategy")  # dsfix's own keyword-only options
 RANK_NAMES = ("global_rank", "rank")
@@ -419,7 +419,7 @@ def generate(sd: SaveDef, docstring: str, indent: str = "    ") -> str:
 
 def bind(params: tuple, args: list) -> dict | None:
     """param name -> argument text, as ``inspect.Signature.bind`` would bind a call's ``args``
-    (patcher.calls.Arg: keyword, star, text).
+    (patcher.patch.calls.Arg: keyword, star, text).
 
     None when the call unpacks ``*x``/``**y`` (it binds as it did before, the parameters being the same).
     Raises ValueError naming the parameter when the call cannot bind.
