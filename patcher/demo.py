@@ -17,9 +17,9 @@ DEMO_CHECKOUT = "checkouts/package"
 
 
 def demo_checkout_source() -> Path:
-    from patcher.checkpoint.smoke import fixture_path
+    from patcher.resources import resource_path
 
-    return fixture_path(f"{DEMO_CHECKOUT}/README.md").parent
+    return resource_path("fixtures", f"{DEMO_CHECKOUT}/README.md").parent
 
 
 def _snapshot(root: Path) -> dict:

@@ -37,24 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from patcher.checkpoint import checks as ck
+from patcher.checkpoint.checks import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Header, examples
+from patcher.checkpoint.verify import Checks, model_folders
 from patcher.errors import DsfixError
-from patcher.checkpoint.verify import (
-    CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Checks, _examples, _Header, model_folders,
-)
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 STAGING_PREFIX = ".dsfix-convert-"
 PROGRESS_MIN_BYTES = 64 * 2**20  # show a progress bar (on a terminal) from this much data on
 STRATEGIES = ("clone", "dedupe")
-
-# torch dtype name -> safetensors header code (what verify's checks read)
-_CODES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
-
 
 # --------------------------------------------------------------------------- results
 
@@ -95,12 +87,12 @@ class FolderResult(Checks):
             return f"not converted {self.path}: a check failed; nothing written"
         how = self.strategy
         if self.restored:
-            how += f"; restored {_examples(self.restored)}"
+            how += f"; restored {examples(self.restored)}"
         if self.dropped:
-            how += f"; dropped tied alias {_examples(self.dropped)}"
-        tail = (f"removed {_examples(self.removed)}" if self.removed
-                else f"{_examples(self.source)} kept (--remove-bin removes it)")
-        return (f"converted {self.path}: {_examples(self.source)} -> {_examples(self.written)}, "
+            how += f"; dropped tied alias {examples(self.dropped)}"
+        tail = (f"removed {examples(self.removed)}" if self.removed
+                else f"{examples(self.source)} kept (--remove-bin removes it)")
+        return (f"converted {self.path}: {examples(self.source)} -> {examples(self.written)}, "
                 f"{self.tensors} tensors ({how}); {tail}")
 
 
@@ -239,12 +231,12 @@ def _read(folder: Path) -> _Plan:
                                                 f"({SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME})")
     else:
         others = sorted(p.name for p in folder.glob("*.bin"))
-        found = f"; found only {_examples(others)}" if others else ""
+        found = f"; found only {examples(others)}" if others else ""
         raise DsfixError(f"no {BIN_NAME} or {BIN_INDEX_NAME} here, nor actor/, critic/ or actor_ema/ with one{found}",
                          path=str(folder))
     if has_st:
         what = SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME
-        return _Plan(folder, source, sharded, already=f"{what} is already there beside {_examples(source)} "
+        return _Plan(folder, source, sharded, already=f"{what} is already there beside {examples(source)} "
                                                       f"(remove {what} to convert again)")
     if not (folder / CONFIG_NAME).is_file():
         raise DsfixError(f"no {CONFIG_NAME}: convert needs the model's config to check the weights", path=str(folder))
@@ -258,7 +250,7 @@ def _read(folder: Path) -> _Plan:
             plan.state[key] = tensor
             plan.origin[key] = i
     if not plan.state:
-        raise DsfixError(f"{_examples(source)} holds no tensors", path=str(folder))
+        raise DsfixError(f"{examples(source)} holds no tensors", path=str(folder))
     return plan
 
 
@@ -273,10 +265,10 @@ def _bin_shards(folder: Path) -> list:
     shards = sorted(set(weight_map.values()))
     bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s]
     if bad:
-        raise DsfixError(f"{BIN_INDEX_NAME} names shards outside the folder: {_examples(bad)}", path=str(folder))
+        raise DsfixError(f"{BIN_INDEX_NAME} names shards outside the folder: {examples(bad)}", path=str(folder))
     missing = [s for s in shards if not (folder / s).is_file()]
     if missing:
-        raise DsfixError(f"{BIN_INDEX_NAME} names shards that are missing: {_examples(missing)}", path=str(folder))
+        raise DsfixError(f"{BIN_INDEX_NAME} names shards that are missing: {examples(missing)}", path=str(folder))
     return shards
 
 
@@ -311,7 +303,7 @@ def load_bin(path: Path) -> tuple[dict, bool]:
         raise DsfixError(f"not a state dict of tensors: {k!r} holds an object of type {type(obj[k]).__name__}{hint}", path=str(path))
     sparse = [k for k, v in obj.items() if v.layout != torch.strided]
     if sparse:
-        raise DsfixError(f"sparse tensors cannot be saved as safetensors: {_examples(sparse)}", path=str(path))
+        raise DsfixError(f"sparse tensors cannot be saved as safetensors: {examples(sparse)}", path=str(path))
     return obj, mapped
 
 
@@ -322,7 +314,7 @@ def _plan_tensors(plan: _Plan, strategy: str) -> None:
     """Decide the output files and tensors, and check them against the config's meta model (no writing)."""
     from patcher.checkpoint import verify as v
 
-    cfg, cfg_check, cfg_dtype = v._load_config(plan.folder)
+    cfg, cfg_check, cfg_dtype = ck.load_config(plan.folder)
     plan.kind = v.folder_kind(plan.state)
     plan.checks.append(Check("source", True, _source_detail(plan)))
     plan.checks.append(cfg_check)
@@ -370,31 +362,30 @@ def _plan_tensors(plan: _Plan, strategy: str) -> None:
     else:
         plan.out = {SINGLE_NAME: keep}
 
-    head = _Header(files=list(plan.out))
+    head = Header(files=list(plan.out))
     for name, tensors in plan.out.items():
         for key, t in tensors.items():
-            code = _CODES.get(str(t.dtype).replace("torch.", ""), str(t.dtype).replace("torch.", "").upper())
-            head.entries[key] = (tuple(int(d) for d in t.shape), code, name)
-    keys = v._keys_check(head, expected, tie_groups)
+            head.entries[key] = (tuple(int(d) for d in t.shape), ck.dtype_code(str(t.dtype)), name)
+    keys = ck.keys_check(head, expected, tie_groups)
     if plan.kind == v.CRITIC:
         keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
     plan.checks.append(keys)
-    plan.checks.append(v._shapes_check(head, expected))
-    plan.checks.append(v._nonempty_check(head))
-    plan.checks.append(v._dtype_check(head, cfg_dtype)[0])
+    plan.checks.append(ck.shapes_check(head, expected))
+    plan.checks.append(ck.nonempty_check(head))
+    plan.checks.append(ck.dtype_check(head, cfg_dtype)[0])
     if tied_bad:
         plan.checks.append(Check("tied", False, f"tied aliases in the .bin differ from their partner: "
-                                                f"{_examples(tied_bad)}; refusing to pick one"))
+                                                f"{examples(tied_bad)}; refusing to pick one"))
     elif tie_groups:
         done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
-        plan.checks.append(Check("tied", True, _examples(done) if done else "nothing to restore or drop"))
+        plan.checks.append(Check("tied", True, examples(done) if done else "nothing to restore or drop"))
     else:
         plan.checks.append(Check("tied", True, f"{built} ties no tensors: nothing to restore"))
 
 
 def _source_detail(plan: _Plan) -> str:
     how = "memory-mapped" if plan.mmap else "read (not zip format, so not memory-mapped)"
-    return f"{_examples(plan.source)}: {len(plan.state)} tensors, loaded weights-only, {how}"
+    return f"{examples(plan.source)}: {len(plan.state)} tensors, loaded weights-only, {how}"
 
 
 def _equal(a, b) -> bool:
@@ -430,23 +421,19 @@ def _unshare(tensors: dict) -> tuple[dict, list]:
     return out, copied
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """fsync a written file (an error raises), or a folder so a rename in it lasts (where the system allows)."""
     try:
         fd = os.open(str(path), os.O_RDONLY)
     except OSError:
-        return
+        if path.is_dir():
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if not path.is_dir():
+            raise
     finally:
         os.close(fd)
 
@@ -481,7 +468,7 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
             ready, _ = _unshare(tensors)
             save_file(ready, str(staging / name), metadata={"format": "pt"})
             del ready
-            _fsync_file(staging / name)
+            fsync(staging / name)
             written.append(name)
             advance(sum(t.numel() * t.element_size() for t in tensors.values()))
         if plan.sharded:
@@ -489,13 +476,13 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
                      "weight_map": {k: name for name, ts in plan.out.items() for k in sorted(ts)}}
             index["weight_map"] = dict(sorted(index["weight_map"].items()))
             (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-            _fsync_file(staging / INDEX_NAME)
+            fsync(staging / INDEX_NAME)
             written.append(INDEX_NAME)
         mode = stat.S_IMODE(os.stat(plan.folder / plan.source[0]).st_mode)
         for name in written:  # save_file creates 0600 files; give them the .bin's permissions
             os.chmod(staging / name, mode)
         shutil.copyfile(plan.folder / CONFIG_NAME, staging / CONFIG_NAME)  # for the checks; not moved
-        _fsync_dir(staging)
+        fsync(staging)
     except Exception as e:  # OSError, or safetensors' own error on a full disk
         reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
         raise DsfixError(f"cannot write here: {reason}; nothing written", path=str(plan.folder))
@@ -515,7 +502,7 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
         tied = report.check("tied")
         if tied is not None and tied.ok:
             done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
-            checks[checks.index(tied)] = tied._replace(detail=f"{tied.detail}; {_examples(done)}")
+            checks[checks.index(tied)] = tied._replace(detail=f"{tied.detail}; {examples(done)}")
 
     differ, compared = [], 0
     for name, tensors in plan.out.items():
@@ -525,8 +512,8 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
                     differ.append(key)
                 compared += 1
                 advance(source.numel() * source.element_size())
-    src = _examples(plan.source)
-    checks.append(Check("equal", not differ, f"{len(differ)} of {compared} tensors differ from {src}: {_examples(differ)}"
+    src = examples(plan.source)
+    checks.append(Check("equal", not differ, f"{len(differ)} of {compared} tensors differ from {src}: {examples(differ)}"
                         if differ else f"{compared} tensors equal, bit for bit, to {src}'s"))
     return written, checks
 
@@ -536,14 +523,14 @@ def _commit(staged: list) -> None:
     for plan, staging, written, _ in staged:
         clash = [n for n in written if (plan.folder / n).exists()]
         if clash:
-            raise DsfixError(f"{_examples(clash)} appeared while converting; nothing written", path=str(plan.folder))
+            raise DsfixError(f"{examples(clash)} appeared while converting; nothing written", path=str(plan.folder))
     moved = []
     try:
         for plan, staging, written, _ in staged:
             for name in written:  # shards first, the index last
                 os.replace(staging / name, plan.folder / name)
                 moved.append((staging / name, plan.folder / name))
-            _fsync_dir(plan.folder)
+            fsync(plan.folder)
     except BaseException as e:
         for back, there in reversed(moved):
             try:
@@ -567,7 +554,7 @@ def _remove_bins(plan: _Plan) -> list:
             pass
         except OSError as e:
             raise DsfixError(f"converted, but cannot remove {name}: {e.strerror or e}", path=str(plan.folder))
-    _fsync_dir(plan.folder)
+    fsync(plan.folder)
     return removed
 
 

@@ -29,9 +29,8 @@ from patcher.checkpoint.ranks import free_port, rank_env
 from patcher.errors import DsfixError
 from patcher.resources import resource_path
 from patcher.checkpoint.verify import Check, Checks, checks_table, load_check, verify_folder
+from patcher.patch.names import SAVE_HF, SAVE_Z3
 
-SAVE_HF = "save_hf_format_safetensors"
-SAVE_Z3 = "save_zero_three_model_safetensors"
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_CONFIG = "models/qwen3-0.6b/config.json"
 _RANK_CHECKS = ("functions", "setup", "save")  # checks about the ranks themselves; their log tail helps
@@ -84,11 +83,6 @@ class SmokeReport(Checks):
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def fixture_path(rel: str) -> Path:
-    """A bundled fixture (see patcher.resources)."""
-    return resource_path("fixtures", rel)
 
 
 def _utils_defines(utils_path: Path) -> set:
@@ -257,7 +251,7 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
         if not (model_dir / "config.json").is_file():
             raise DsfixError("not a model folder (no config.json)", path=str(model_dir))
     else:
-        config_path = Path(config_path) if config_path is not None else fixture_path(DEFAULT_CONFIG)
+        config_path = Path(config_path) if config_path is not None else resource_path("fixtures", DEFAULT_CONFIG)
         if not config_path.is_file():
             raise DsfixError("no such config file", path=str(config_path))
     defined = _utils_defines(checkout.utils_path)

@@ -18,7 +18,8 @@ import libcst as cst
 from patcher.patch import calls, transforms
 from patcher.patch.diff import split_lines
 from patcher.errors import DsfixError
-from patcher.patch.template import Template, _defined_name, is_dsfix_name, load_loader
+from patcher.patch.names import is_dsfix_name
+from patcher.patch.template import Template, defined_name, load_loader
 
 STEP2_WARNING = (
     "step 2 will save model.safetensors, but dsfix found no model_utils.py defining create_critic_model, step 3's "
@@ -239,7 +240,7 @@ def dsfix_block(data: bytes) -> str:
     """dsfix's inserted statements (and the marker), as text, to tell whether a user edited them."""
     module = cst.parse_module(data)
     return "".join(module.code_for_node(s) for s in module.body
-                   if (n := _defined_name(s)) is not None and is_dsfix_name(n))
+                   if (n := defined_name(s)) is not None and is_dsfix_name(n))
 
 
 def has_residue(data: bytes, rel: str, role: str, modules: tuple) -> bool:
