@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the save benchmarks on models, ZeRO-3 ranks included
+
 pytest.importorskip("transformers")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,6 +13,9 @@ from smokekit import NARROW, narrow_model
 from patchkit import FIXTURES, cli, copy_fixture, run
 
 
+pytestmark = pytest.mark.slow  # torch models through the CLI, and the demo
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A folder written by the template's save on the narrow Qwen3 (311 tensors)."""

@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # torch models, .bin loads and reloads
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

@@ -14,6 +14,7 @@ from patchkit import FIXTURES, cli, copy_fixture, git_apply, pyflakes_messages, 
 CHECKOUTS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and not (p / "FIXTURE.json").exists())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKOUTS)
 def test_full_cycle_in_process(tmp_path, name):
     co = copy_fixture(name, tmp_path / "a")
@@ -47,6 +48,7 @@ def test_full_cycle_in_process(tmp_path, name):
     assert cli("revert", co)[0] == 0  # nothing to revert
 
 
+@pytest.mark.slow
 def test_full_cycle_subprocess_from_inside_a_subfolder(tmp_path):
     """A real process, run from a folder deep inside a DeepSpeedExamples-shaped checkout."""
     def make(top):
@@ -78,6 +80,7 @@ def test_full_cycle_subprocess_from_inside_a_subfolder(tmp_path):
     assert snapshot(root) == before
 
 
+@pytest.mark.slow
 def test_stdout_carries_only_the_diff_and_stderr_the_messages(tmp_path):
     co = copy_fixture("package", tmp_path)
     p = run("check", co, cwd=tmp_path)
@@ -89,6 +92,7 @@ def test_stdout_carries_only_the_diff_and_stderr_the_messages(tmp_path):
     assert data["exit_code"] == 1 and data["verb"] == "check"
 
 
+@pytest.mark.slow
 def test_module_and_console_script_are_the_same_program(tmp_path):
     exe = shutil.which("dsfix")
     if exe is None:
@@ -98,6 +102,7 @@ def test_module_and_console_script_are_the_same_program(tmp_path):
     assert p.returncode == 1 and p.stdout == run("check", co).stdout
 
 
+@pytest.mark.slow
 def test_strategy_dedupe_and_switching_strategy_upgrades_in_place(tmp_path):
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
@@ -114,6 +119,7 @@ def test_strategy_dedupe_and_switching_strategy_upgrades_in_place(tmp_path):
     assert snapshot(co) == before
 
 
+@pytest.mark.slow
 def test_older_template_block_is_upgraded_and_revert_still_restores_the_original(tmp_path):
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
@@ -135,6 +141,7 @@ def test_older_template_block_is_upgraded_and_revert_still_restores_the_original
     assert snapshot(co) == before
 
 
+@pytest.mark.slow
 def test_step2_needs_asking_and_brings_step3s_loader(tmp_path):
     co = copy_fixture("package", tmp_path)
     code, diff, _ = cli("check", co)
@@ -169,6 +176,7 @@ def test_main_py_forms_seen_in_forks(tmp_path):
     assert '{"save": save_hf_format}' in main
 
 
+@pytest.mark.slow
 def test_article_hand_edit_is_replaced_and_restored(tmp_path):
     co = copy_fixture("article", tmp_path)
     before = snapshot(co)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # torch models saved and reloaded, ZeRO-3 ranks
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

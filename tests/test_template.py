@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from templates import save_safetensors as T
 
+pytestmark = pytest.mark.slow  # torch models saved and reloaded
+
 TEMPLATE_PATH = os.path.abspath(T.__file__)
 QWEN3_KEYS = 311
 TIED = ("lm_head.weight", "model.embed_tokens.weight")

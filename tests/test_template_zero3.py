@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # ZeRO-3 ranks
+
 pytest.importorskip("deepspeed")
 
 from smokekit import run_trainer  # noqa: E402
