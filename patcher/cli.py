@@ -105,7 +105,8 @@ STRATEGY_OPT = typer.Option(
 )
 STEPS_OPT = typer.Option(
     "1", "--steps", metavar="LIST",
-    help="The DeepSpeed-Chat steps to patch, comma-separated: 1 (the default), 1,2 or 1,2,3. See README.",
+    help="The DeepSpeed-Chat steps to patch, comma-separated: 1 (the default), 1,2 or 1,2,3. Listing 2 or 3 "
+    "also adapts step 3's critic loader (create_critic_model) to read safetensors.",
 )
 
 
