@@ -7,7 +7,7 @@ import pytest
 
 from patcher.patch import plan
 from patcher.patch.plan import Saved, Status, Target
-from patcher.patch.template import load_template
+from unitkit import UPSTREAM_SAVE, stand_in
 
 
 def lines(*items) -> bytes:
@@ -47,27 +47,12 @@ MODULES = ("dschat.utils.utils",)
 MAIN = lines("import os", "", "from dschat.utils.utils import save_hf_format", "", "", "def main():", "    x = 1",
              "    y = 2", "    save_hf_format(m, t, a)", "    return x")
 MAIN_PATCHED = MAIN.replace(b"save_hf_format", b"save_hf_format_safetensors")
-UTILS = b'''import os
-import torch
-
-
-def save_hf_format(model, tokenizer, args, sub_folder=""):
-    output_dir = os.path.join(args.output_dir, sub_folder)
-    os.makedirs(output_dir, exist_ok=True)
-    sd = {k: v for k, v in model.state_dict().items() if "lora" not in k}
-    torch.save(sd, os.path.join(output_dir, "pytorch_model.bin"))
-    model.config.to_json_file(os.path.join(output_dir, "config.json"))
-    tokenizer.save_vocabulary(output_dir)
-
-
-def other():
-    return 1
-'''
+UTILS = ("import os\nimport torch\n\n\n" + UPSTREAM_SAVE + "\n\ndef other():\n    return 1\n").encode()
 
 
 @pytest.fixture(scope="module")
 def utils_patched() -> bytes:
-    return plan.patch_file(Target("utils.py", "utils", UTILS), load_template("clone"), "clone")[0]
+    return plan.patch_file(Target("utils.py", "utils", UTILS), stand_in(), "clone")[0]
 
 
 def saved_for(rel: str, role: str, original: bytes, patched: bytes) -> Saved:
@@ -104,7 +89,7 @@ SCRIPT_REVERTS = [
 @pytest.mark.parametrize("current, status, new", [r[1:] for r in SCRIPT_REVERTS], ids=[r[0] for r in SCRIPT_REVERTS])
 def test_revert_a_script_with_the_state_folder(current, status, new):
     saved = saved_for("main.py", "step1", MAIN, MAIN_PATCHED)
-    decided = plan.plan_revert([Target("main.py", "step1", current, MODULES)], saved, False, load_template)
+    decided = plan.plan_revert([Target("main.py", "step1", current, MODULES)], saved, False, stand_in)
     (result,) = decided.results
     assert (result.status, result.new) == (status, new)
     assert decided.refused == ((result,) if status == Status.REFUSED else ())
@@ -114,7 +99,7 @@ def test_revert_utils_restores_merges_or_refuses(utils_patched):
     saved = saved_for("utils.py", "utils", UTILS, utils_patched)
 
     def decide(current, force=False):
-        return plan.plan_revert([Target("utils.py", "utils", current)], saved, force, load_template)
+        return plan.plan_revert([Target("utils.py", "utils", current)], saved, force, stand_in)
 
     (r,) = decide(utils_patched).results
     assert (r.status, r.new) == (Status.RESTORED, UTILS)
@@ -133,7 +118,7 @@ def test_revert_utils_restores_merges_or_refuses(utils_patched):
 def test_revert_without_the_state_folder(utils_patched):
     def decide(utils, main, force=False):
         targets = [Target("utils.py", "utils", utils), Target("main.py", "step1", main, MODULES)]
-        return [(r.status, r.new) for r in plan.plan_revert(targets, None, force, load_template).results]
+        return [(r.status, r.new) for r in plan.plan_revert(targets, None, force, stand_in).results]
 
     assert decide(utils_patched, MAIN_PATCHED) == [(Status.STRUCTURAL, UTILS), (Status.STRUCTURAL, MAIN)]
     # no dsfix block in utils.py: the scripts' calls of dsfix's names are someone's hand edit, left alone

@@ -1,13 +1,14 @@
 """The wheel as a user gets it: built with setuptools' own build backend (what ``python -m build`` runs) from
 a copy of the source tree, without a warning about the bundled fixtures; installed into a fresh virtual
-environment (``--no-deps``, the dependencies seen through ``--system-site-packages``, so no network); and
-run from outside the clone: ``--help`` texts, ``dsfix check`` on a bundled fixture, and ``dsfix demo``."""
+environment (``--no-deps``; the dependencies installed for the tests are seen through a path file, so no
+network); and run from outside the clone: ``--help``, ``dsfix check`` on a bundled fixture, ``dsfix demo``."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -40,9 +41,14 @@ def installed(tmp_path_factory):
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = dist.glob("dsfix-*.whl")
     env_dir = base / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)
+    venv.create(env_dir, with_pip=False)
     bin_dir = env_dir / "bin"
-    pip = run([bin_dir / "python", "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], cwd=base)
+    # the dependencies already installed here (typer, libcst, torch, ...), seen after the venv's own packages;
+    # a path line, not a site folder, so an editable install of dsfix here is not seen
+    site_dir = run([bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=base)
+    (Path(site_dir.stdout.strip()) / "test-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    pip = run([sys.executable, "-m", "pip", "--python", bin_dir / "python", "install", "--no-deps", "--no-index",
+               "-q", wheel], cwd=base)
     assert pip.returncode == 0, pip.stderr[-3000:]
     outside = base / "user"
     outside.mkdir()
