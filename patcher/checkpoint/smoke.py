@@ -25,8 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from patcher.checkpoint.quiet import quiet
 from patcher.checkpoint.ranks import free_port, rank_env
 from patcher.errors import DsfixError
+from patcher.prereq import require
+from patcher.report import Result, Verdict
 from patcher.resources import resource_path
 from patcher.checkpoint.verify import Check, Checks, checks_table, load_check, verify_folder
 
@@ -39,7 +42,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds pat
 
 
 @dataclass(frozen=True)
-class SmokeReport(Checks):
+class SmokeReport(Checks, Result):
     ok: bool
     checks: tuple  # of Check(name, ok, detail)
     timings: dict  # phase -> seconds (rank 0's phases, plus launch/verify/reload here)
@@ -58,10 +61,32 @@ class SmokeReport(Checks):
     save_output: str = ""  # what the save functions printed on rank 0
     output_dir: Optional[str] = None  # the kept folder, or None when it was a temp dir
     log_tail: str = ""  # the ranks' last log lines when something failed
+    verb = "smoke"
 
-    def to_dict(self) -> dict:
+    @property
+    def status(self) -> Verdict:
+        return Verdict.of(self.ok)
+
+    @property
+    def exit_code(self) -> int:
+        return self.status.exit_code
+
+    @property
+    def message(self) -> str:
+        if self.ok:
+            return f"smoke passed: {self.tensors} tensors saved and verified"
+        return f"smoke failed: {', '.join(c.name for c in self.failed)}"
+
+    @property
+    def warnings(self) -> list:
+        if self.load_method == "ast":
+            return [f"the save functions were read from utils.py with ast: {self.load_detail}"]
+        return []
+
+    def body(self) -> dict:
         return {
             "ok": self.ok,
+            "status": self.status.value,
             "checks": [c._asdict() for c in self.checks],
             "timings": self.timings,
             "device": self.device,
@@ -105,7 +130,8 @@ def _import_root(checkout) -> tuple[Path, str]:
     return checkout.root, checkout.utils_module
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """auto, cpu or cuda to the device to use; cuda must be there when asked for."""
     import torch
 
     if device == "auto":
@@ -252,6 +278,8 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
         raise DsfixError(f"--nproc must be at least 1, not {nproc!r}")
     if model_dir is not None and config_path is not None:
         raise DsfixError("give --model or --config, not both")
+    need_ds = f"--zero-stage {zero_stage}" if zero_stage > 0 else (f"--nproc {nproc}" if nproc > 1 else None)
+    require("smoke", deepspeed=need_ds, cuda=device == "cuda")  # before anything expensive: find_spec only
     if model_dir is not None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
@@ -264,7 +292,7 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
     if SAVE_HF not in defined:
         raise DsfixError(f"{checkout.rel(checkout.utils_path)} defines no {SAVE_HF}: this checkout was never "
                          "patched: run `dsfix apply` first", path=str(checkout.root))
-    device = _resolve_device(device)
+    device = resolve_device(device)
     use_engine = zero_stage > 0 or nproc > 1
     out_dir, out_tmp = _prepare_out(keep)
     work = Path(tempfile.mkdtemp(prefix="dsfix-smoke-"))
@@ -279,7 +307,7 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
         "dist_timeout": int(min(timeout, 1800)),
     }
     try:
-        with _stdout_to_stderr():  # libraries that print (DeepSpeed's logger) must not reach stdout
+        with _stdout_to_stderr(), quiet():  # libraries that print (DeepSpeed's logger) must not reach stdout
             return _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
                         kept=out_dir if keep is not None else None)
     finally:
@@ -318,7 +346,8 @@ def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> Sm
 
             spec["distributed"] = False
             results, rc = [worker.run_rank(spec)], 0  # run_smoke has stdout on stderr already
-        timings["ranks"] = round(time.perf_counter() - t, 3)
+        if spec["engine"]:  # in this process, rank 0's own phases below say where the time went
+            timings["ranks"] = round(time.perf_counter() - t, 3)
         r0 = next((r for r in results if r.get("rank") == 0), None)
         if r0 is not None:
             timings.update({k: v for k, v in r0.get("timings", {}).items()})
@@ -368,7 +397,6 @@ def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> Sm
         save_output=(r0 or {}).get("save_output", ""), output_dir=str(kept) if kept is not None else None,
         log_tail=log_tail if any(c.name in _RANK_CHECKS and not c.ok for c in checks) else "",
     )
-    _print_report(report, console)
     return report
 
 
@@ -401,7 +429,9 @@ def _rank_checks(results: list, r0: Optional[dict], errors: list, rc, nproc: int
         return [Check("save", False, _no_result_reason(rc, work_dir))]
     if r0.get("load_method"):
         fns = ", ".join(r0.get("functions", [])) or "none"
-        checks.append(Check("functions", True, f"{fns} via {r0['load_method']}: {r0.get('load_detail')}"))
+        how = ("by importing utils.py" if r0["load_method"] == "import" else
+               "from utils.py's source with ast (it does not import here: see the warning below)")
+        checks.append(Check("functions", True, f"{fns}, {how}"))
     if errors:
         first = min(errors, key=lambda r: r["rank"])
         where = first.get("phase")
@@ -460,13 +490,14 @@ def _reload_checks(spec: dict, device: str) -> list:
     return out
 
 
-def _print_report(report: SmokeReport, console) -> None:
+def print_report(report: SmokeReport, console) -> None:
+    """The human report on ``console`` (stderr): the checks, then timings and memory."""
     from rich.markup import escape
 
     console.print(checks_table(report.checks, title=f"dsfix smoke: ZeRO-{report.zero_stage}, {report.nproc} rank(s), "
                                                      f"{report.device}, {report.dtype}"))
-    if report.load_method == "ast":
-        console.print(f"[yellow]save functions loaded via ast extraction:[/] {escape(report.load_detail or '')}")
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}")
     t = ", ".join(f"{k} {v:.1f}s" for k, v in report.timings.items())
     mem = ", ".join(f"{k} {v} MB" for k, v in report.peak_rss_mb.items() if v is not None)
     console.print(f"timings: {escape(t)}")

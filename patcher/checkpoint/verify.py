@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from patcher.errors import DsfixError
+from patcher.report import Result, Verdict
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -56,7 +57,7 @@ class Check(NamedTuple):
 
 
 class Checks:
-    """What verify's and smoke's reports share: a tuple of Check, looked up by name, and JSON."""
+    """What verify's, smoke's and convert's reports share: a tuple of Check, looked up by name, and JSON."""
 
     checks: tuple
 
@@ -68,11 +69,13 @@ class Checks:
         return tuple(c for c in self.checks if not c.ok)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return json.dumps(self.to_dict(), indent=2, default=str)
 
 
 @dataclass(frozen=True)
 class VerifyReport(Checks):
+    """One folder's checks (a step-3 folder gives one per model folder; :class:`VerifyResult` holds them)."""
+
     path: str
     ok: bool
     checks: tuple  # of Check(name, ok, detail)
@@ -94,6 +97,42 @@ class VerifyReport(Checks):
             "checks": [c._asdict() for c in self.checks],
         }
 
+    @property
+    def summary(self) -> str:
+        verdict = "all checks hold" if self.ok else "verification FAILED"
+        return f"{verdict}: {self.tensors} tensors, {KIND_TEXT[self.kind]}"
+
+
+@dataclass(frozen=True)
+class VerifyResult(Result):
+    """``dsfix verify``'s result: one report per model folder. With one folder, that folder's keys are also
+    at the top level of the JSON (``ok``, ``tensors``, ``checks``, ...)."""
+
+    path: str
+    reports: tuple  # of VerifyReport
+    verb = "verify"
+    warnings = ()
+
+    @property
+    def status(self) -> Verdict:
+        return Verdict.of(all(r.ok for r in self.reports))
+
+    @property
+    def exit_code(self) -> int:
+        return self.status.exit_code
+
+    @property
+    def message(self) -> str:
+        if len(self.reports) == 1:
+            return self.reports[0].summary
+        bad = [Path(r.path).name for r in self.reports if not r.ok]
+        return (f"verification FAILED in {', '.join(bad)}" if bad else
+                f"all checks hold in {len(self.reports)} folders")
+
+    def body(self) -> dict:
+        head = self.reports[0].to_dict() if len(self.reports) == 1 else {}
+        return {**head, "path": self.path, "ok": self.status is Verdict.PASSED, "status": self.status.value,
+                "folders": [r.to_dict() for r in self.reports]}
 
 
 @dataclass
@@ -273,6 +312,14 @@ def _holds_weights(folder: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- the checks
+
+
+def verify_path(path, expect: Optional[int] = None, load: bool = True) -> VerifyResult:
+    """``dsfix verify PATH``: every model folder under ``path`` (see model_folders), third-party output off."""
+    from patcher.checkpoint.quiet import quiet
+
+    with quiet():
+        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load) for p in model_folders(path)))
 
 
 def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> VerifyReport:
