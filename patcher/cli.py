@@ -258,10 +258,10 @@ def stat_text(rows, width: int = 80) -> str:
     name_w = max(len(n) for n, _, _ in rows)
     most = max(a + r for _, a, r in rows)
     count_w = len(str(most))
-    bar_w = max(10, width - name_w - count_w - 4)
+    bar_w = max(10, width - name_w - count_w - 5)
     lines = []
     for name, a, r in rows:
-        if a + r > bar_w:  # scaled as git does: every non-zero side keeps at least one mark
+        if most > bar_w:  # scaled as git does: every non-zero side keeps at least one mark
             plus = max(1, a * bar_w // most) if a else 0
             minus = max(1, r * bar_w // most) if r else 0
         else:
