@@ -18,6 +18,7 @@ if Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself
 
 import functools  # noqa: E402
 import signal  # noqa: E402
+import time  # noqa: E402
 from enum import Enum  # noqa: E402
 from typing import List, Optional  # noqa: E402
 
@@ -147,9 +148,11 @@ STAT_OPT = typer.Option(False, "--stat", help="Print a per-file summary (as git 
 
 
 class _Run:
-    """This process's run: whether the one line for an error or interrupt has been printed."""
+    """This process's run: whether the one line for an error or interrupt has been printed, and when Ctrl-C
+    was last pressed (a library that catches KeyboardInterrupt must not turn it into another outcome)."""
 
     reported = False
+    interrupted_at: float | None = None
 
 
 def _interrupted_state(verb: str | None, params: dict) -> str:
@@ -211,10 +214,14 @@ def _command(fn):
         Written.clear()
         try:
             result = fn(*args, **kwargs)
+            if _Run.interrupted_at is not None:  # Ctrl-C, swallowed on the way by a library
+                raise KeyboardInterrupt
             _emit(result, kwargs)
         except (typer.Exit, SystemExit):
             raise
         except BaseException as e:  # DsfixError, KeyboardInterrupt, and the unexpected
+            if _Run.interrupted_at is not None:  # whatever it became on the way, it began as Ctrl-C
+                e = KeyboardInterrupt()
             raise typer.Exit(_fail(e, ctx.info_name, bool(kwargs.get("as_json")), bool(ctx.meta.get(DEBUG)),
                                    kwargs)) from None
         raise typer.Exit(result.exit_code)
@@ -481,9 +488,12 @@ def demo(
 
 
 def _on_sigint(signum, frame):
-    """The first Ctrl-C stops the command; later ones are ignored, so that putting files back (a commit's
-    rollback, removing temporary folders) is not cut short."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Ctrl-C stops the command; a press within a second of the one before is ignored, so that putting files
+    back (a commit's rollback, removing temporary folders) is not cut short by a second press."""
+    now = time.monotonic()
+    if _Run.interrupted_at is not None and now - _Run.interrupted_at < 1.0:
+        return
+    _Run.interrupted_at = now
     raise KeyboardInterrupt
 
 
@@ -500,7 +510,7 @@ def main(argv=None) -> None:
         signal.signal(signal.SIGINT, _on_sigint)
     except ValueError:  # pragma: no cover - not the main thread
         pass
-    _Run.reported = False
+    _Run.reported, _Run.interrupted_at = False, None
     try:
         rc = app(args=args, standalone_mode=False)
     except click_exc.NoArgsIsHelpError as e:

@@ -47,8 +47,8 @@ def require(verb: str, *, deepspeed: str | None = None, cuda: bool = False) -> N
         raise DsfixError(f"dsfix {verb} needs {', '.join(gone)}, which this Python ({sys.executable}) lacks: "
                          f"{INSTALL_EXTRA}")
     if deepspeed and missing("deepspeed"):
-        raise DsfixError(f"{deepspeed} needs DeepSpeed, which this Python lacks: {INSTALL_DEEPSPEED} "
-                         "(or drop the option)")
+        drop = f" (or leave out {deepspeed})" if deepspeed.startswith("--") else ""
+        raise DsfixError(f"{deepspeed} needs DeepSpeed, which this Python lacks: {INSTALL_DEEPSPEED}{drop}")
     if cuda and no_gpu_driver():
         raise DsfixError("--device cuda, but this machine has no GPU driver; use --device cpu")
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import enum
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from patchkit import cli, copy_fixture, run, snapshot
+from patchkit import CLEAN_ENV, REPO, cli, copy_fixture, run, snapshot
 from patcher.checkpoint.convert import ConvertReport, ConvertStatus, FolderResult
 from patcher.checkpoint.smoke import SmokeReport
 from patcher.checkpoint.verify import Check, VerifyReport, VerifyResult
@@ -221,3 +222,16 @@ def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
     assert p.returncode == ERROR and json.loads(p.stdout)["error"]["kind"] == "usage"
     p = run("check", tmp_path / "nope", "--json", "--debug")
     assert p.returncode == ERROR and json.loads(p.stdout)["verb"] == "check" and b"Traceback" in p.stderr
+
+
+@pytest.mark.parametrize("script,hidden,needle", [
+    ("bench_zero3.py", "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
+    ("bench_convert.py", "safetensors", "pip install 'dsfix[smoke]'"),
+    ("bench_save.py", "torch", "pip install 'dsfix[smoke]'"),
+])
+def test_benchmarks_check_what_they_need_first(script, hidden, needle):
+    code = (f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = [{script!r}, '--quick']; "
+            f"runpy.run_path({str(REPO / 'benchmarks' / script)!r}, run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], env=CLEAN_ENV, capture_output=True, timeout=60)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == ERROR and len(lines) == 1 and needle in lines[0], p.stderr.decode()[-2000:]
