@@ -235,6 +235,10 @@ def main(argv=None):
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.worker:  # before any rank starts: one line naming what to install
+        from patcher.prereq import require_or_exit
+
+        require_or_exit("bench_zero3", deepspeed="a ZeRO-3 benchmark")
     args.config = args.config or (common.NARROW_CONFIG if args.quick else common.FULL_CONFIG)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.bucket_mb = common.template()._DSFIX_GATHER_BUCKET_MB if args.bucket_mb is None else args.bucket_mb

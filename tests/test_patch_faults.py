@@ -147,9 +147,12 @@ def test_symlink_leading_outside_is_refused(tmp_path):
     assert outside.read_bytes() == before
 
 
-def test_debug_shows_a_traceback(tmp_path):
-    p = run("--debug", "check", tmp_path / "nope")
-    assert p.returncode != 0 and b"Traceback" in p.stderr
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_a_traceback_and_keeps_the_exit_code(tmp_path, where):
+    args = ["check", tmp_path / "nope"]
+    p = run(*(["--debug", *args] if where == "before" else [*args, "--debug"]))
+    assert p.returncode == 2 and b"Traceback" in p.stderr
+    assert p.stderr.decode().rstrip().splitlines()[-1].startswith("dsfix: error: no such file or folder")
 
 
 # ----------------------------------------------------------------------------- faults while writing

@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-from patcher.errors import LOCKED, DsfixError
+from patcher.errors import LOCKED, DsfixError, Written
 from patcher.patch.plan import Saved, sha256
 
 STATE_DIR = ".dsfix"
@@ -237,5 +237,6 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                 os.replace(old_dir, folder)
         shutil.rmtree(new_dir, ignore_errors=True)
         raise
+    Written.mark()  # every file is in place: an interrupt from here on leaves them written
     shutil.rmtree(old_dir, ignore_errors=True)
     fsync_dir(root)
