@@ -33,7 +33,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenize
 
 
 def _wanted(name: str) -> bool:
-    return name in (SAVE_HF, SAVE_Z3) or name.startswith("_dsfix_") or name.startswith("_DSFIX_")
+    return name in (SAVE_HF, SAVE_Z3) or name.startswith(("_dsfix_", "_DSFIX_", "_Dsfix"))
 
 
 # --------------------------------------------------------------------------- loading the save functions

@@ -26,8 +26,8 @@ _STRATEGY_LINE = re.compile(r'^_DSFIX_STRATEGY = "[a-z]+"$', re.M)
 
 
 def is_dsfix_name(name: str) -> bool:
-    """Top-level names that belong to dsfix's inserted block, in any template version."""
-    return name in PUBLIC_NAMES or name.startswith("_dsfix_") or name.startswith("_DSFIX_")
+    """Top-level names that belong to dsfix's inserted block, in any template version (classes: ``_Dsfix``)."""
+    return name in PUBLIC_NAMES or name.startswith(("_dsfix_", "_DSFIX_", "_Dsfix"))
 
 
 @dataclass(frozen=True)
