@@ -11,7 +11,7 @@ from safetensors import safe_open
 # `dsfix revert` removes it. save_hf_format_safetensors and save_zero_three_model_safetensors replace
 # save_hf_format and save_zero_three_model: they write config.json, the tokenizer and model.safetensors
 # (shards and an index above _DSFIX_MAX_SHARD_SIZE bytes), a tensor that shares storage with another
-# (Qwen3's tied lm_head) in full, each tensor at a multiple of its element size as safetensors does.
+# (Qwen3's tied lm_head) in full, each at a multiple of its element size where safetensors puts it.
 # Under ZeRO-3 every rank gathers whole modules up to _DSFIX_GATHER_BUCKET_MB at a time (0: one parameter
 # at a time) and rank 0 writes them. Each file is written under a temporary name, checked, then renamed.
 _DSFIX_TEMPLATE_VERSION = 3
@@ -19,9 +19,9 @@ _DSFIX_STRATEGY = "clone"
 _DSFIX_MAX_SHARD_SIZE = 5 * 1024**3
 _DSFIX_GATHER_BUCKET_MB = 256
 _DSFIX_TMP_SUFFIX = ".dsfix-tmp"
-_DSFIX_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                 torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_DSFIX_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",  # in the
+                 torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3",
+                 torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # file's order
 
 
 def save_hf_format_safetensors(model, tokenizer, args, sub_folder="", *, max_shard_size=None, strategy=None):
@@ -176,7 +176,7 @@ def _dsfix_buckets(tensors, bucket_mb):
 
 
 def _dsfix_files(tensors, limit, out_dir):
-    """Runs of tensors up to ``limit`` bytes, each laid out by element size then name, so all are aligned."""
+    """Runs of tensors up to ``limit`` bytes, each laid out by dtype (larger first) then name: all aligned."""
     groups, size, files = [], 0, []
     for t in tensors:
         if not groups or size + t.nbytes > limit:
@@ -187,7 +187,7 @@ def _dsfix_files(tensors, limit, out_dir):
     for i, group in enumerate(groups or [[]]):
         name = "model-%05d-of-%05d.safetensors" % (i + 1, len(groups)) if len(groups) > 1 else "model.safetensors"
         header, offsets, at = {"__metadata__": {"format": "pt"}}, {}, 0
-        for t in sorted(group, key=lambda t: (-t.tensor.element_size(), t.name)):
+        for t in sorted(group, key=lambda t: (list(_DSFIX_DTYPES).index(t.tensor.dtype), t.name)):
             header[t.name] = {"dtype": _DSFIX_DTYPES[t.tensor.dtype], "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
             offsets[t.name] = at
             at += t.nbytes
