@@ -94,18 +94,21 @@ class DType(str, Enum):
 REPO_ARG = typer.Argument(".", help="The DeepSpeed-Chat folder, a DeepSpeedExamples checkout, or any folder inside.")
 JSON_OPT = typer.Option(False, "--json", help="Print a machine-readable result on stdout.")
 MAIN_OPT = typer.Option(
-    None, "--main", help="The step-1 script, where it is not training/step1_supervised_finetuning/main.py."
+    None, "--main", help="The step-1 script, where dsfix does not find it by itself (a path in the checkout, "
+    "else in the current folder)."
 )
 SCRIPT_OPT = typer.Option(
     [], "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py."
 )
 STRATEGY_OPT = typer.Option(
-    Strategy.clone, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
-    "dedupe: transformers' layout, the alias dropped (310)."
+    None, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
+    "dedupe: transformers' layout, the alias dropped (310). Default: as the last apply recorded, else clone.",
+    show_default=False,
 )
 STEPS_OPT = typer.Option(
-    "1", "--steps", metavar="LIST",
-    help="The DeepSpeed-Chat steps to patch, comma-separated: 1 (the default), 1,2 or 1,2,3. See README.",
+    None, "--steps", metavar="LIST",
+    help="The DeepSpeed-Chat steps to patch, comma-separated: 1, 1,2 or 1,2,3. Default: as the last apply "
+    "recorded, else 1. See README.",
 )
 
 
@@ -118,8 +121,12 @@ def _guard(fn):
             return fn(*args, **kwargs)
         except DsfixError as e:
             if _debug["on"]:
+                for line in e.detail:
+                    err.print(f"dsfix: detail: {line}")
                 raise
             err.print(f"dsfix: error: {e}")
+            if kwargs.get("as_json"):  # the full detail (every import considered, say) goes here
+                sys.stdout.write(json.dumps(e.to_json(), indent=2) + "\n")
             raise typer.Exit(e.code)
 
     return wrapper
@@ -170,15 +177,16 @@ def _patch_command(verb: str, doc: str):
     @_guard
     def command(
         repo: Path = REPO_ARG,
-        strategy: Strategy = STRATEGY_OPT,
-        steps: str = STEPS_OPT,
+        strategy: Optional[Strategy] = STRATEGY_OPT,
+        steps: Optional[str] = STEPS_OPT,
         main_script: Optional[Path] = MAIN_OPT,
         script: List[Path] = SCRIPT_OPT,
         as_json: bool = JSON_OPT,
     ):
         from patcher.patch import flow
 
-        outcome = getattr(flow, verb)(repo, strategy.value, _steps(steps), main_script, script)
+        outcome = getattr(flow, verb)(repo, strategy.value if strategy else None,
+                                      _steps(steps) if steps is not None else None, main_script, script)
         if verb == "check" and not as_json:
             sys.stdout.flush()
             sys.stdout.buffer.write(outcome.diff)

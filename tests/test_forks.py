@@ -128,8 +128,16 @@ def test_unresolved_import_names_the_lines_and_why(tmp_path):
     main.write_text(text)
     code, _, err = cli("check", ".", cwd=cwd)
     assert code == 2
-    assert "main.py: no import resolves to a utils.py that defines save_hf_format: line 6" in err
-    assert "dschat_old.utils.utils: no dschat_old/ or dschat_old.py on the script's path" in err
+    (line,) = err.splitlines()
+    assert line.startswith("dsfix: error: training/step1_supervised_finetuning/main.py:6: no import resolves to a "
+                           "utils.py that defines save_hf_format: dschat_old.utils.utils: no dschat_old/ or "
+                           "dschat_old.py on the script's path"), line
+    assert len(line) <= 300, line
+    code, out, err = cli("check", ".", "--json", cwd=cwd)
+    data = json.loads(out)
+    assert code == 2 and data["exit_code"] == 2 and data["line"] == 6
+    assert data["path"] == "training/step1_supervised_finetuning/main.py"
+    assert any(d.startswith("line 6 `from dschat_old.utils.utils import") for d in data["detail"]), data
 
 
 def test_zero3_save_without_a_config_save_warns(tmp_path):
