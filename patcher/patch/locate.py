@@ -158,21 +158,21 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
             rels = [_rel(base, p) for p in found]
             raise DsfixError(f"{len(found)} step-1 scripts named {STEP1_DIR}/main.py and none at {STEP_MAIN[1]}; "
                              "pass the one to patch: " + shown([f"--main {r}" for r in rels], sep=" or "),
-                             path=_shown_arg(repo), detail=[f"--main {r}" for r in rels])
+                             detail=[f"--main {r}" for r in rels])
         if found:
             root, main_path = base, found[0]
             notes.append(f"no {STEP_MAIN[1]}: using {_rel(root, main_path)}, the one {STEP1_DIR}/main.py "
                          "that calls the save functions (--main picks another)")
     if root is None:
         found = callers(start, depth=3)
-        hint = ""
-        if found:
-            rels = [Path(os.path.relpath(p, start)).as_posix() for p in found]
-            hint = "; to patch a script that calls save_hf_format, pass " + shown(
-                [f"--main {r}" for r in rels], sep=" or ")
-        raise DsfixError(f"no DeepSpeed-Chat checkout here or above: no {STEP_MAIN[1]}, {LAYOUTS['package']} or "
-                         f"{LAYOUTS['legacy']}, also under {CHAT_SUBDIR}/{hint}", path=_shown_arg(repo),
-                         detail=[f"--main {Path(os.path.relpath(p, start)).as_posix()}" for p in found])
+        rels = [Path(os.path.relpath(p, start)).as_posix() for p in found]
+        hint = ("; to patch a script that calls save_hf_format, pass " + shown([f"--main {r}" for r in rels], sep=" or ")
+                if found else "; run dsfix in a DeepSpeed-Chat folder, or pass the step-1 script with --main")
+        raise DsfixError(f"no DeepSpeed-Chat checkout here or above (no {STEP1_DIR}/main.py that saves, no "
+                         f"dschat/ or training/utils/){hint}", path=_shown_arg(repo),
+                         detail=[f"looked for {STEP_MAIN[1]}, a {STEP1_DIR}/main.py that calls the save functions, "
+                                 f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, here, above and under {CHAT_SUBDIR}/",
+                                 *(f"--main {r}" for r in rels)])
     co = _checkout_at(root, main_path, script_paths)
     return dataclasses.replace(co, notes=(*notes, *co.notes)) if notes else co
 
@@ -281,9 +281,11 @@ def _given(p, option, home: Path, notes: list) -> Path:
             if not path.is_absolute():
                 where = "the checkout" if i == 0 else "the current folder"
                 other = tried[1 - i]
-                also = (f", not {os.path.relpath(other)} in the current folder" if i == 0 and other.is_file()
+                also = (f", not {path.as_posix()} in the current folder" if i == 0 and other.is_file()
                         and os.path.abspath(other) != str(cand) else "")
-                notes.append(f"{option} {path.as_posix()}: using {_rel(home, cand)} (relative to {where}{also})")
+                rel = _rel(home, cand)
+                used = "" if rel == path.as_posix() else f" is {rel},"
+                notes.append(f"{option} {path.as_posix()}:{used} found relative to {where}{also}")
             return cand
     if path.is_absolute():
         raise DsfixError(f"{option}: no such file", path=str(p))
