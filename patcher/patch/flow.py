@@ -11,7 +11,7 @@ from pathlib import Path
 from patcher.patch import plan as planner
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
-from patcher.errors import OK, PENDING, DsfixError
+from patcher.errors import OK, PENDING, DsfixError, shown
 from patcher.patch.locate import Checkout, find_checkout, find_patched
 from patcher.patch.plan import Status, Target
 from patcher.patch.template import load_template
@@ -202,7 +202,7 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
         for r in plan.results:
             out.files.append(FileReport(r.rel, r.status, r.notes + ([r.reason] if r.reason else [])))
         if plan.refused:
-            names = ", ".join(r.rel for r in plan.refused)
+            names = shown([r.rel for r in plan.refused])
             out.message = f"refused, nothing written: {names} changed since apply; " + plan.refused[0].reason
             return out
         current = {t.rel: t.data for t in targets}

@@ -264,7 +264,7 @@ def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, r
         raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
     defs = signature.find_defs(base, rel, data)
     for d in defs.values():
-        notes += list(d.notes)
+        notes += list(d.notes) if info is None else []  # told when the block went in; an update only changes it
     replaced, kept, slot = [], [], None
     after = _block_predecessor(module) if info else None
     for stmt in base.body:
