@@ -109,9 +109,12 @@ def test_strategy_dedupe_and_switching_strategy_upgrades_in_place(tmp_path):
     assert cli("apply", co, "--strategy", "dedupe")[0] == 0
     utils = (co / "dschat/utils/utils.py").read_bytes()
     assert b'_DSFIX_STRATEGY = "dedupe"' in utils and b"strategy=dedupe" in utils
-    code, diff, _ = cli("check", co)  # default strategy is clone: one block, changed in place
+    assert cli("check", co)[0] == 0, "a plain check keeps the recorded strategy"
+    code, diff, err = cli("check", co, "--strategy", "clone")  # one block, changed in place
     assert code == 1 and b'-_DSFIX_STRATEGY = "dedupe"' in diff and b'+_DSFIX_STRATEGY = "clone"' in diff
-    assert cli("apply", co)[0] == 0
+    assert "strategy dedupe -> clone" in err and "added imports" not in err, err
+    assert cli("apply", co, "--strategy", "clone")[0] == 0
+    assert cli("check", co)[0] == 0, "the new strategy is recorded"
     utils = (co / "dschat/utils/utils.py").read_bytes()
     assert utils.count(b"def save_hf_format_safetensors(") == 1
     assert utils.count(b"from safetensors import safe_open") == 1

@@ -198,7 +198,7 @@ def test_state_folder_that_cannot_be_written(tmp_path, monkeypatch):
 
 
 def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkeypatch):
-    """apply --strategy dedupe, then an apply (clone) whose write of utils.py fails: nothing changes, the
+    """apply --strategy dedupe, then an apply --strategy clone whose write of utils.py fails: nothing changes, the
     state folder included, and revert still restores the original."""
     from patcher.patch import state
 
@@ -214,7 +214,7 @@ def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkey
         return real(src, dst)
 
     monkeypatch.setattr(state.os, "replace", failing)
-    code, _, err = cli("apply", co)
+    code, _, err = cli("apply", co, "--strategy", "clone")
     assert code == 2 and "No space left on device" in err
     assert snapshot(co) == before, "targets and state folder as they were"
     monkeypatch.setattr(state.os, "replace", real)
