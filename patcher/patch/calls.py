@@ -385,6 +385,11 @@ class _Uses(ast.NodeVisitor):
                 self.uses.append((node, hit))
         self.generic_visit(node)
 
+    def visit_Nonlocal(self, node):
+        for name in node.names:
+            if name in self.bare and self._tracked(name, node.lineno) is not None:
+                self.unsafe.append((node.lineno, f"declares {name} nonlocal, which dsfix cannot rewrite"))
+
     def visit_Constant(self, node):
         if isinstance(node.value, str) and node.value in self.strings:
             self.unsafe.append((node.lineno, f"names {node.value} in a string (for getattr, say), a use dsfix "

@@ -267,6 +267,8 @@ class _Slicer:
     def block(self, stmts: list, needed: set, inside: bool) -> tuple:
         """(the statements kept, in order; the names needed before the block)."""
         out = []
+        if stmts and _ends(stmts[-1]):  # what follows is never reached from here
+            needed = set()
         for stmt in reversed(stmts):
             if isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
                 kept = []
@@ -401,6 +403,12 @@ class _Slicer:
         node.visit(V())
         if hit:
             raise Refused(node, f"changes {hit[0]} in place, and its folder is computed from {hit[0]}")
+
+
+def _ends(stmt) -> bool:
+    """A statement line that ends in a raise or a return."""
+    return isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)) and \
+        isinstance(stmt.body[-1], (cst.Raise, cst.Return))
 
 
 def _only_names(target) -> bool:

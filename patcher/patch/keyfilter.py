@@ -233,13 +233,6 @@ class Reader:
         return TRUE
 
     def check(self, node, var) -> None:
-        for n in free_names(node):
-            if n.id == var or n.id in KEY_BUILTINS:
-                continue
-            if n.id in self.params and n.id not in self.assigned:
-                self.used_params.add(n.id)
-                continue
-            raise Refused(node.lineno, f"tests the key name against {n.id}, which is not one of its parameters")
         for sub in ast.walk(node):
             if isinstance(sub, ast.Call):
                 f = sub.func
@@ -251,6 +244,13 @@ class Reader:
                                                "carry into its own save")
             elif isinstance(sub, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
                 raise Refused(node.lineno, f"tests the key name with {type(sub).__name__}, which dsfix cannot carry")
+        for n in free_names(node):
+            if n.id == var or n.id in KEY_BUILTINS:
+                continue
+            if n.id in self.params and n.id not in self.assigned:
+                self.used_params.add(n.id)
+                continue
+            raise Refused(node.lineno, f"tests the key name against {n.id}, which is not one of its parameters")
 
     # --- rendering
 

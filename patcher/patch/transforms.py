@@ -679,7 +679,7 @@ def patch_main(data: bytes, modules: tuple, defs: dict, rel: str = "main.py") ->
         line, why = found.unsafe[0]
         more = f" (and {len(found.unsafe) - 1} more)" if len(found.unsafe) > 1 else ""
         raise DsfixError(f"{why}{more}; rename or remove that use and run dsfix again", line=line)
-    if not found.calls and not values:
+    if not found.calls and not found.uses:
         raise DsfixError("has no call of save_hf_format imported from the checkout's utils.py to rewrite")
     for c in found.calls:
         check_binding(defs[NEW_NAMES.get(c.name, c.name)], c)
