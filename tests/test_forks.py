@@ -68,7 +68,7 @@ def test_fork_full_cycle(tmp_path, name):
         assert after[meta["patched"]] != before[meta["patched"]]
     for rel in before:
         if rel.endswith(".py") and before[rel] != after[rel]:
-            assert pyflakes_messages(after[rel]) <= pyflakes_messages(before[rel]), rel
+            assert _as_before(pyflakes_messages(after[rel])) <= pyflakes_messages(before[rel]), rel
 
     assert cli("check", ".", *args, cwd=cwd)[0] == 0, "check exits 0 once applied"
     assert cli("apply", ".", *args, cwd=cwd)[0] == 0
@@ -89,6 +89,13 @@ def test_fork_full_cycle(tmp_path, name):
     else:
         assert code == 0, err
         assert snapshot(top) == before
+
+
+def _as_before(messages: set) -> set:
+    """pyflakes' messages with dsfix's names read as the ones they replace (a star import's names are
+    reported by name: "may be undefined, or defined from star imports")."""
+    return {m.replace("save_hf_format_safetensors", "save_hf_format").replace(
+        "save_zero_three_model_safetensors", "save_zero_three_model") for m in messages}
 
 
 @pytest.mark.parametrize("name", REFUSED)

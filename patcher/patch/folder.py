@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from patcher.errors import DsfixError
 from patcher.patch.template import dotted
@@ -48,21 +47,10 @@ class _OwnBody(cst.CSTVisitor):
 
 
 class _Reads(_OwnBody):
-    """Names read in a node (attribute names and keyword names left out); ``skip``: ids of nodes not to
-    enter (carried statements), and of carried ifs whose tests are left out."""
+    """Names read in a node (attribute names and keyword names left out)."""
 
-    def __init__(self, skip=frozenset()):
+    def __init__(self):
         self.names = set()
-        self.skip = skip
-
-    def on_visit(self, node):
-        if id(node) in self.skip:
-            if isinstance(node, cst.If):
-                for part in (node.body, node.orelse):
-                    if part is not None:
-                        part.visit(self)
-            return False
-        return super().on_visit(node)
 
     def visit_Name(self, node):
         self.names.add(node.value)
@@ -76,8 +64,28 @@ class _Reads(_OwnBody):
         return False
 
 
+class _ReadsSkipping(_Reads):
+    """``skip``: ids of nodes not to enter (carried statements), and of carried ifs whose tests are left out."""
+
+    def __init__(self, skip):
+        super().__init__()
+        self.skip = skip
+
+    def on_visit(self, node):
+        if id(node) in self.skip:
+            if isinstance(node, cst.If):
+                for part in (node.body, node.orelse):
+                    if part is not None:
+                        part.visit(self)
+            return False
+        return super().on_visit(node)
+
+
 def reads(node, skip=frozenset()) -> set:
-    v = _Reads(skip)
+    """Names read in ``node``, but for the nodes in ``skip`` (see _ReadsSkipping)."""
+    if skip and isinstance(node, cst.SimpleStatementLine):
+        return set().union(set(), *(reads(small) for small in node.body if id(small) not in skip))
+    v = _ReadsSkipping(skip) if skip and not isinstance(node, cst.SimpleStatementLine) else _Reads()
     node.visit(v)
     return v.names
 
@@ -169,6 +177,8 @@ class Lines:
         if self.def_line is None:
             return None
         if self._pos is None:
+            from libcst.metadata import MetadataWrapper, PositionProvider  # here: only a refusal needs it
+
             self._pos = MetadataWrapper(cst.Module([self.fn]), unsafe_skip_copy=True).resolve(PositionProvider)
         try:
             return self.def_line + self._pos[node].start.line - self._pos[self.fn.name].start.line
@@ -477,14 +487,18 @@ def folder_call(stmts: list):
         def visit_Lambda(self, node):
             return False
 
-    found = []
-    for stmt in stmts:
-        v = Calls()
-        stmt.visit(v)
-        found.append(v.calls)
+    found = {}
+
+    def calls_in(i):  # each statement visited once, and only as far as the first rule needs
+        if i not in found:
+            v = Calls()
+            stmts[i].visit(v)
+            found[i] = v.calls
+        return found[i]
+
     for rule in ("makedirs", "join", "save_pretrained"):
-        for i, calls in enumerate(found):
-            for call in calls:
+        for i in range(len(stmts)):
+            for call in calls_in(i):
                 name = _dotted(call.func)
                 pos = [a for a in call.args if a.keyword is None and not a.star]
                 if rule == "makedirs" and name.split(".")[-1] in ("makedirs", "mkdir") and pos:

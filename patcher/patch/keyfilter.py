@@ -137,11 +137,12 @@ class Reader:
         self.fn = fn
         self.source = source  # patcher.patch.calls.Source of the file
         self.params = params
-        self.assigned = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        self.nodes = list(_own_nodes(fn))
+        self.assigned = {n.id for n in self.nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
         self.loop_bound = set()  # names bound by the loop or comprehension being read (the value, say)
         self.used_params = set()
         self.statey = set()  # names of dicts taken from the model's state (sd = model.state_dict())
-        for node in _own_nodes(fn):
+        for node in self.nodes:
             if isinstance(node, ast.Assign) and self.is_state(node.value):
                 self.statey |= {t.id for t in node.targets if isinstance(t, ast.Name)}
 
@@ -159,7 +160,7 @@ class Reader:
     def sites(self) -> list:
         """The keep formula of every place the function builds or prunes the dict it saves."""
         out = []
-        for node in _own_nodes(self.fn):
+        for node in self.nodes:
             if isinstance(node, ast.DictComp) and len(node.generators) == 1:
                 g = node.generators[0]
                 var, others = _key_target(g.target)
@@ -334,7 +335,7 @@ def read_filter(fn: ast.FunctionDef, source, params: set) -> KeyFilter:
     for _node, keep, _var, others in r.sites():
         keeps.append(_simplify(_nnf(keep), lambda leaf, o=others: r.keyfree(leaf, o)))
     if not keeps and any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "lora" in n.value.lower()
-                         for n in _own_nodes(fn)):
+                         for n in r.nodes):
         return UPSTREAM  # a test dsfix does not read, on "lora": upstream's rule, as before
     keep = _simplify(_all(keeps), lambda leaf: None) if keeps else TRUE
     drop = _simplify(_nnf(keep, True), lambda leaf: None)
