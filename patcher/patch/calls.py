@@ -306,6 +306,7 @@ class _Uses(ast.NodeVisitor):
         self.called = set()  # ids of the callees of the tracked calls
         self.uses = []  # (node, tracked name): uses that are not calls
         self.unsafe = []  # (line, why)
+        self.visited = set()  # ids of the nodes visited: each once, in the scope Python evaluates it in
 
     def _qualified(self, name: str) -> list:
         scope = self.stack[-1].resolve(name)
@@ -394,6 +395,12 @@ class _Uses(ast.NodeVisitor):
         if isinstance(node.value, str) and node.value in self.strings:
             self.unsafe.append((node.lineno, f"names {node.value} in a string (for getattr, say), a use dsfix "
                                              "cannot rewrite"))
+
+    def visit(self, node):
+        if id(node) in self.visited:  # a default or a first iterable, visited already in the enclosing scope
+            return None
+        self.visited.add(id(node))
+        return super().visit(node)
 
     def visit_Call(self, node):
         if _callee_name(node.func) in self.callee_names:

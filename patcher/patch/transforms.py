@@ -14,8 +14,8 @@ import libcst as cst
 
 from patcher.patch import calls, signature
 from patcher.errors import DsfixError
-from patcher.patch.names import NEW_NAMES, PUBLIC_NAMES, RENAMES
-from patcher.patch.template import ImportSpec, Template, _defined_name, dotted, is_dsfix_name
+from patcher.patch.names import NEW_NAMES, PUBLIC_NAMES, RENAMES, is_dsfix_name
+from patcher.patch.template import ImportSpec, Template, defined_name, dotted
 
 MARKER_PREFIX = "# dsfix:"
 MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
@@ -264,11 +264,11 @@ def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, r
         raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
     defs = signature.find_defs(base, rel, data)
     for d in defs.values():
-        notes += list(d.notes)
+        notes += list(d.notes) if info is None else []  # told when the block went in; an update only changes it
     replaced, kept, slot = [], [], None
     after = _block_predecessor(module) if info else None
     for stmt in base.body:
-        name = _defined_name(stmt)
+        name = defined_name(stmt)
         if name is not None and is_dsfix_name(name):
             replaced.append(name)
             slot = len(kept) if slot is None else slot
@@ -287,20 +287,23 @@ def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, r
     if info and info.get("replaced"):
         replaced = info["replaced"].split(",") + [r for r in replaced if r not in info["replaced"].split(",")]
     new, added = _add_imports(new, tpl.imports)
-    if added:
-        notes.append("added imports: " + ", ".join(s.source() for s in added))
-    if info and info.get("added-imports"):
-        before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")]
-        added = before + [a for a in added if a not in before]
+    before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")] if info and info.get(
+        "added-imports") else []
+    fresh = [a for a in added if a not in before]  # the imports an earlier apply added are in the file already
+    if fresh:
+        notes.append("added imports: " + ", ".join(s.source() for s in fresh))
+    added = before + fresh
     marker = make_marker(tpl.version, strategy, added, replaced)
     code = _with_block(new, block_text(tpl, defs, marker, new.default_indent, new.default_newline))
     try:
         out = code.encode(module.encoding)
     except UnicodeEncodeError as e:
         raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
-    if info and (info.get("template") != f"v{tpl.version}" or info.get("strategy") != strategy):
-        notes.insert(0, f"upgraded dsfix's block from template {info.get('template')} strategy "
-                        f"{info.get('strategy')} to v{tpl.version} strategy {strategy}")
+    if info:
+        what = [f"template {info.get('template')} -> v{tpl.version}"] if info.get("template") != f"v{tpl.version}" else []
+        what += [f"strategy {info.get('strategy')} -> {strategy}"] if info.get("strategy") != strategy else []
+        if what:
+            notes.insert(0, "updates dsfix's block: " + ", ".join(what))
     return UtilsResult(out, notes if out != data else [], defs)
 
 
@@ -308,7 +311,7 @@ def _block_predecessor(module: cst.Module):
     """The statement right before dsfix's block (unpatch_utils keeps it as the same node)."""
     prev = None
     for stmt in module.body:
-        name = _defined_name(stmt)
+        name = defined_name(stmt)
         if name is not None and is_dsfix_name(name):
             return prev
         prev = stmt
@@ -357,7 +360,7 @@ def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> cst.Module
             "which is gone, so it cannot be restored structurally",
             code=1,
         )
-    body = [s for s in module.body if not ((n := _defined_name(s)) is not None and is_dsfix_name(n))]
+    body = [s for s in module.body if not ((n := defined_name(s)) is not None and is_dsfix_name(n))]
     for tok in (info.get("added-imports") or "").split(","):
         if tok:
             body = _remove_import(body, ImportSpec.from_token(tok))
