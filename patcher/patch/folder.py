@@ -529,6 +529,7 @@ def read_folder(fn: cst.FunctionDef, body: list, params: set, aliases: dict, lin
     if folder is None:
         raise DsfixError(f"cannot tell which folder {name} writes to (no os.makedirs, no folder joined with a "
                          "file name, no save_pretrained); dsfix will not guess", path=rel, line=lines.def_line)
+    aliases = {"os": "os", **aliases}  # the module dsfix's own block imports, when the fork's does not
     slicer = _Slicer(name, aliases, params)
     try:
         slicer.pure(folder, body[at])
