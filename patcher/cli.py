@@ -13,7 +13,7 @@ from pathlib import Path
 
 from patcher.errors import interrupt_at_startup
 
-if Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
+if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
     interrupt_at_startup()
 
 import functools  # noqa: E402
