@@ -479,6 +479,9 @@ def demo(
 ):
     """Check, apply, smoke and revert on the bundled example checkout. Exit 0: every step passed, 1: one
     failed, 2: error (a missing requirement, say)."""
+    from patcher.prereq import require
+
+    require("demo", cuda=device is Device.cuda)  # before the patch path and torch are imported
     from patcher.demo import run_demo
 
     return run_demo(err.console, device=device.value, keep=keep, show_diff=not as_json)
