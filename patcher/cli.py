@@ -13,7 +13,7 @@ from pathlib import Path
 
 from patcher.errors import interrupt_at_startup
 
-if Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
+if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
     interrupt_at_startup()
 
 import functools  # noqa: E402
@@ -488,6 +488,9 @@ def demo(
 ):
     """Check, apply, smoke and revert on the bundled example checkout. Exit 0: every step passed, 1: one
     failed, 2: error (a missing requirement, say)."""
+    from patcher.prereq import require
+
+    require("demo", cuda=device is Device.cuda)  # before the patch path and torch are imported
     from patcher.demo import run_demo
 
     return run_demo(err.console, device=device.value, keep=keep, show_diff=not as_json)
