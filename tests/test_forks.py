@@ -122,6 +122,59 @@ def test_layout_without_step1_main_names_the_candidates(tmp_path):
     assert "sft_train.py" in err and "--main" in err
 
 
+def test_the_main_a_refusal_names_works_pasted_from_another_folder(tmp_path):
+    """Two step1_supervised_finetuning/main.py: refused, naming a --main for each; each one, pasted as it is
+    and run from another folder, is taken relative to the checkout."""
+    top = tmp_path / "co"
+    shutil.copytree(REFUSED_DIR / "two-step1", top)
+    (tmp_path / "elsewhere").mkdir()
+    code, _, err = cli("check", top, cwd=tmp_path / "elsewhere")
+    assert code == 2
+    mains = [m.split(" or ")[0] for m in err.strip().split("--main ")[1:]]
+    assert mains == ["experiments/old/step1_supervised_finetuning/main.py",
+                     "training_model/step1_supervised_finetuning/main.py"], err
+    for m in mains:
+        code, diff, err = cli("check", top, "--main", m, cwd=tmp_path / "elsewhere")
+        assert code == 1, err
+        assert f"+++ b/{m}\n" in diff.decode(), diff[:300]
+        assert f"--main {m}: found relative to the checkout" in err, err
+
+
+@pytest.mark.slow
+def test_recorded_steps_and_strategy_change_only_when_given(tmp_path):
+    """fork-step1-nested patched with --strategy dedupe --steps 1,2: plain runs keep both; an explicit
+    --steps 1 is a change check shows (step 2 and its loader restored) and apply makes; then revert."""
+    top, cwd, meta = _copy(FIXTURES / "fork-step1-nested", tmp_path / "a")
+    before = snapshot(top)
+    assert cli("apply", ".", *meta["args"], cwd=cwd)[0] == 0
+    patched = snapshot(top)
+    step2 = "training_model/step2_reward_model_finetuning/main.py"
+    assert patched[step2] != before[step2]
+    assert b'_DSFIX_STRATEGY = "dedupe"' in patched["dschat/utils/utils.py"]
+    assert cli("check", ".", cwd=cwd)[0] == 0 and cli("apply", ".", cwd=cwd)[0] == 0
+    assert snapshot(top) == patched
+
+    code, diff, err = cli("check", ".", "--steps", "1", cwd=cwd)
+    assert code == 1, err
+    assert f"+++ b/{step2}".encode() in diff and b"+++ b/dschat/utils/model/model_utils.py" in diff
+    assert b"utils/utils.py" not in diff.replace(b"model/model_utils.py", b"")
+    assert "restores the original: --steps 1 leaves step 2 out" in err, err
+    assert snapshot(top) == patched
+    assert cli("apply", ".", "--steps", "1", cwd=cwd)[0] == 0
+    now = snapshot(top)
+    assert now[step2] == before[step2]
+    assert now["dschat/utils/model/model_utils.py"] == before["dschat/utils/model/model_utils.py"]
+    assert now["dschat/utils/utils.py"] == patched["dschat/utils/utils.py"], "the strategy stays dedupe"
+    assert cli("check", ".", cwd=cwd)[0] == 0, "--steps 1 is recorded"
+
+    code, diff, err = cli("check", ".", "--strategy", "clone", cwd=cwd)
+    assert code == 1 and "strategy dedupe -> clone" in err and "added imports" not in err, err
+    assert set(diff.decode().split("+++ b/")[1:]) and all(
+        d.startswith("dschat/utils/utils.py") for d in diff.decode().split("+++ b/")[1:]), "only utils.py changes"
+    assert cli("revert", ".", cwd=cwd)[0] == 0
+    assert snapshot(top) == before
+
+
 def test_unresolved_import_names_the_lines_and_why(tmp_path):
     top, cwd, _ = _copy(FIXTURES / "fork-z3-subfolder", tmp_path / "a")
     main = top / "training/step1_supervised_finetuning/main.py"
@@ -129,8 +182,16 @@ def test_unresolved_import_names_the_lines_and_why(tmp_path):
     main.write_text(text)
     code, _, err = cli("check", ".", cwd=cwd)
     assert code == 2
-    assert "main.py: no import resolves to a utils.py that defines save_hf_format: line 6" in err
-    assert "dschat_old.utils.utils: no dschat_old/ or dschat_old.py on the script's path" in err
+    (line,) = err.splitlines()
+    assert line.startswith("dsfix: error: training/step1_supervised_finetuning/main.py:6: no import resolves to a "
+                           "utils.py that defines save_hf_format: dschat_old.utils.utils: no dschat_old/ or "
+                           "dschat_old.py on the script's path"), line
+    assert len(line) <= 300, line
+    code, out, err = cli("check", ".", "--json", cwd=cwd)
+    data = json.loads(out)
+    assert code == 2 and data["exit_code"] == 2 and data["line"] == 6
+    assert data["path"] == "training/step1_supervised_finetuning/main.py"
+    assert any(d.startswith("line 6 `from dschat_old.utils.utils import") for d in data["detail"]), data
 
 
 def test_zero3_save_without_a_config_save_warns(tmp_path):
@@ -198,13 +259,14 @@ def _weights(out: Path, name: str) -> dict:
 @pytest.mark.parametrize("name", FORKS)
 def test_patched_calls_save_what_and_where_the_original_did(tmp_path, name, tiny_qwen3, tiny_qwen3_tokenizer):
     """Every save call of the fork, as written in its scripts, run before and after apply: the same folders
-    get weights (and a config where the original wrote one), with the same tensors."""
+    get weights (and a config where the original wrote one), with the same tensors (with --strategy dedupe,
+    a tied alias is left out: the tensor it shares is there)."""
     import torch
     from safetensors.torch import load_file
 
     top, cwd, meta = _copy(FIXTURES / name, tmp_path / "co")
     args = meta["args"]
-    scripts = [cwd / "training/step1_supervised_finetuning/main.py"]
+    scripts = [cwd / meta.get("main", "training/step1_supervised_finetuning/main.py")]
     if "--main" in args:
         scripts = [cwd / args[args.index("--main") + 1]]
     scripts += [cwd / args[i + 1] for i, a in enumerate(args) if a == "--script"]
@@ -219,11 +281,16 @@ def test_patched_calls_save_what_and_where_the_original_did(tmp_path, name, tiny
     assert bins and set(safes) == set(bins), (sorted(bins), sorted(safes))
     assert not _weights(tmp_path / "after", "pytorch_model.bin")
     assert set(_weights(tmp_path / "before", "config.json")) <= set(_weights(tmp_path / "after", "config.json"))
+    dedupe = "dedupe" in args
     for folder, path in bins.items():
         old = torch.load(path, weights_only=True)
         new = load_file(safes[folder])
         for key, value in old.items():
+            if dedupe and key not in new:
+                assert any(torch.equal(v, value) for v in new.values()), (folder, key)
+                continue
             assert torch.equal(new[key], value), (folder, key)
+        assert not dedupe or len(new) < len(old), "dedupe leaves the tied alias out"
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ partner (``save_file`` refuses shared storage), under ``clone``, where it must b
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
@@ -40,7 +41,8 @@ from typing import Optional
 from patcher.checkpoint import checks as ck
 from patcher.checkpoint.checks import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Header, examples
 from patcher.checkpoint.verify import Checks, model_folders
-from patcher.errors import DsfixError
+from patcher.errors import OK, PENDING, DsfixError, Written
+from patcher.report import Result
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -51,10 +53,23 @@ STRATEGIES = ("clone", "dedupe")
 # --------------------------------------------------------------------------- results
 
 
+class ConvertStatus(str, enum.Enum):
+    """What happened to one folder, and to the whole run (the worst of its folders)."""
+
+    CONVERTED = "converted"
+    NOTHING = "nothing to convert"
+    FAILED = "failed"  # a check failed: nothing written
+    NOT_WRITTEN = "not written"  # this folder passed, another failed: nothing written
+
+    @property
+    def exit_code(self) -> int:
+        return OK if self in (ConvertStatus.CONVERTED, ConvertStatus.NOTHING) else PENDING
+
+
 @dataclass(frozen=True)
 class FolderResult(Checks):
     path: str
-    status: str  # "converted", "nothing to convert", "failed", "not written"
+    status: ConvertStatus
     ok: bool
     checks: tuple = ()
     kind: Optional[str] = None
@@ -71,7 +86,7 @@ class FolderResult(Checks):
 
     def to_dict(self) -> dict:
         return {
-            "path": self.path, "status": self.status, "ok": self.ok, "kind": self.kind,
+            "path": self.path, "status": self.status.value, "ok": self.ok, "kind": self.kind,
             "strategy": self.strategy, "source": list(self.source), "written": list(self.written),
             "tensors": self.tensors, "restored": list(self.restored), "dropped": list(self.dropped),
             "removed": list(self.removed), "bytes_written": self.bytes_written, "mmap": self.mmap,
@@ -79,11 +94,11 @@ class FolderResult(Checks):
         }
 
     def summary(self) -> str:
-        if self.status == "nothing to convert":
+        if self.status is ConvertStatus.NOTHING:
             return f"nothing to convert in {self.path}: {self.note}"
-        if self.status == "not written":
+        if self.status is ConvertStatus.NOT_WRITTEN:
             return f"not converted {self.path}: {self.note}"
-        if self.status == "failed":
+        if self.status is ConvertStatus.FAILED:
             return f"not converted {self.path}: a check failed; nothing written"
         how = self.strategy
         if self.restored:
@@ -97,31 +112,35 @@ class FolderResult(Checks):
 
 
 @dataclass(frozen=True)
-class ConvertReport:
+class ConvertReport(Result):
     path: str
     strategy: str
     folders: tuple  # of FolderResult
+    verb = "convert"
+    warnings = ()
 
     @property
     def ok(self) -> bool:
         return all(f.ok for f in self.folders)
 
     @property
-    def status(self) -> str:
+    def status(self) -> ConvertStatus:
         if not self.ok:
-            return "failed"
-        return "converted" if any(f.status == "converted" for f in self.folders) else "nothing to convert"
+            return ConvertStatus.FAILED
+        done = any(f.status is ConvertStatus.CONVERTED for f in self.folders)
+        return ConvertStatus.CONVERTED if done else ConvertStatus.NOTHING
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        return self.status.exit_code
 
-    def to_dict(self) -> dict:
-        return {"path": self.path, "ok": self.ok, "status": self.status, "strategy": self.strategy,
+    @property
+    def message(self) -> str:
+        return "; ".join(f.summary() for f in self.folders)
+
+    def body(self) -> dict:
+        return {"path": self.path, "ok": self.ok, "status": self.status.value, "strategy": self.strategy,
                 "folders": [f.to_dict() for f in self.folders]}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 @dataclass
@@ -154,7 +173,15 @@ class _Plan:
 def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bool = True, console=None,
             progress_min_bytes: int = PROGRESS_MIN_BYTES) -> ConvertReport:
     """Convert ``path`` (a model folder, or a step-3 folder of them). Raises DsfixError (code 2) on bad input;
-    a failed check gives ``ok=False``. Either every folder is converted or none is touched."""
+    a failed check gives ``ok=False``. Either every folder is converted or none is touched. Third-party
+    warnings and bars are off meanwhile (a refused pickle is one line of dsfix's, not torch's warning)."""
+    from patcher.checkpoint.quiet import quiet
+
+    with quiet():
+        return _convert(path, strategy, remove_bin, load, console, progress_min_bytes)
+
+
+def _convert(path, strategy: str, remove_bin: bool, load: bool, console, progress_min_bytes: int) -> ConvertReport:
     if strategy not in STRATEGIES:
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
     root = Path(path)
@@ -168,7 +195,7 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
     todo = []
     for plan in plans:
         if plan.already is not None:
-            results[plan.folder] = FolderResult(str(plan.folder), "nothing to convert", True, note=plan.already,
+            results[plan.folder] = FolderResult(str(plan.folder), ConvertStatus.NOTHING, True, note=plan.already,
                                                 strategy=strategy)
             continue
         _plan_tensors(plan, strategy)
@@ -179,7 +206,7 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
 
     staged: list = []  # (plan, staging folder, written names, checks)
     try:
-        if not any(r.status == "failed" for r in results.values()):
+        if not any(r.status is ConvertStatus.FAILED for r in results.values()):
             total = 2 * sum(p.nbytes for p in todo)
             with _progress(console, total, progress_min_bytes) as advance:
                 for plan in todo:
@@ -188,17 +215,18 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
                     if not all(c.ok for c in checks):
                         results[plan.folder] = _failed(plan, strategy, checks)
                         break
-        if any(r.status == "failed" for r in results.values()):
+        if any(r.status is ConvertStatus.FAILED for r in results.values()):
             for plan in todo:
                 results.setdefault(plan.folder, FolderResult(
-                    str(plan.folder), "not written", False, kind=plan.kind, strategy=strategy,
+                    str(plan.folder), ConvertStatus.NOT_WRITTEN, False, kind=plan.kind, strategy=strategy,
                     source=tuple(plan.source), note="another folder failed a check; nothing written"))
         else:
             _commit(staged)
+            Written.mark()  # an interrupt from here on leaves the safetensors files in place
             for plan, _, written, checks in staged:
                 removed = _remove_bins(plan) if remove_bin else []
                 results[plan.folder] = FolderResult(
-                    str(plan.folder), "converted", True, tuple(checks), kind=plan.kind, strategy=strategy,
+                    str(plan.folder), ConvertStatus.CONVERTED, True, tuple(checks), kind=plan.kind, strategy=strategy,
                     source=tuple(plan.source), written=tuple(written),
                     tensors=sum(len(v) for v in plan.out.values()), restored=tuple(plan.restored),
                     dropped=tuple(plan.dropped), removed=tuple(removed), bytes_written=plan.nbytes, mmap=plan.mmap)
@@ -209,7 +237,7 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
 
 
 def _failed(plan: _Plan, strategy: str, checks=None) -> FolderResult:
-    return FolderResult(str(plan.folder), "failed", False, tuple(checks if checks is not None else plan.checks),
+    return FolderResult(str(plan.folder), ConvertStatus.FAILED, False, tuple(checks if checks is not None else plan.checks),
                         kind=plan.kind, strategy=strategy, source=tuple(plan.source), mmap=plan.mmap,
                         tensors=sum(len(v) for v in plan.out.values()) or None)
 

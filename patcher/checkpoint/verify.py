@@ -30,6 +30,7 @@ from patcher.checkpoint.checks import (
     nonempty_check, read_headers, shape_text, shapes_check, weight_files,
 )
 from patcher.errors import DsfixError
+from patcher.report import Result, Verdict
 
 STEP3_SUBFOLDERS = ("actor", "critic", "actor_ema")  # what DeepSpeed-Chat's step 3 saves under its output folder
 
@@ -42,7 +43,7 @@ KIND_TEXT = {
 
 
 class Checks:
-    """What verify's and smoke's reports share: a tuple of Check, looked up by name, and JSON."""
+    """What verify's, smoke's and convert's reports share: a tuple of Check, looked up by name, and JSON."""
 
     checks: tuple
 
@@ -54,11 +55,13 @@ class Checks:
         return tuple(c for c in self.checks if not c.ok)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return json.dumps(self.to_dict(), indent=2, default=str)
 
 
 @dataclass(frozen=True)
 class VerifyReport(Checks):
+    """One folder's checks (a step-3 folder gives one per model folder; :class:`VerifyResult` holds them)."""
+
     path: str
     ok: bool
     checks: tuple  # of Check(name, ok, detail)
@@ -80,6 +83,42 @@ class VerifyReport(Checks):
             "checks": [c._asdict() for c in self.checks],
         }
 
+    @property
+    def summary(self) -> str:
+        verdict = "all checks hold" if self.ok else "verification FAILED"
+        return f"{verdict}: {self.tensors} tensors, {KIND_TEXT[self.kind]}"
+
+
+@dataclass(frozen=True)
+class VerifyResult(Result):
+    """``dsfix verify``'s result: one report per model folder. With one folder, that folder's keys are also
+    at the top level of the JSON (``ok``, ``tensors``, ``checks``, ...)."""
+
+    path: str
+    reports: tuple  # of VerifyReport
+    verb = "verify"
+    warnings = ()
+
+    @property
+    def status(self) -> Verdict:
+        return Verdict.of(all(r.ok for r in self.reports))
+
+    @property
+    def exit_code(self) -> int:
+        return self.status.exit_code
+
+    @property
+    def message(self) -> str:
+        if len(self.reports) == 1:
+            return self.reports[0].summary
+        bad = [Path(r.path).name for r in self.reports if not r.ok]
+        return (f"verification FAILED in {', '.join(bad)}" if bad else
+                f"all checks hold in {len(self.reports)} folders")
+
+    def body(self) -> dict:
+        head = self.reports[0].to_dict() if len(self.reports) == 1 else {}
+        return {**head, "path": self.path, "ok": self.status is Verdict.PASSED, "status": self.status.value,
+                "folders": [r.to_dict() for r in self.reports]}
 
 
 def checks_table(checks, title: str = "dsfix verify"):
@@ -163,6 +202,14 @@ def _holds_weights(folder: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- the checks
+
+
+def verify_path(path, expect: Optional[int] = None, load: bool = True) -> VerifyResult:
+    """``dsfix verify PATH``: every model folder under ``path`` (see model_folders), third-party output off."""
+    from patcher.checkpoint.quiet import quiet
+
+    with quiet():
+        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load) for p in model_folders(path)))
 
 
 def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> VerifyReport:

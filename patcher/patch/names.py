@@ -15,5 +15,5 @@ CORE = {  # the template's functions that dsfix's public functions call
 
 
 def is_dsfix_name(name: str) -> bool:
-    """Top-level names that belong to dsfix's inserted block, in any template version."""
-    return name in PUBLIC_NAMES or name.startswith("_dsfix_") or name.startswith("_DSFIX_")
+    """Top-level names that belong to dsfix's inserted block, in any template version (classes: ``_Dsfix``)."""
+    return name in PUBLIC_NAMES or name.startswith(("_dsfix_", "_DSFIX_", "_Dsfix"))

@@ -264,7 +264,7 @@ def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, r
         raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
     defs = signature.find_defs(base, rel, data)
     for d in defs.values():
-        notes += list(d.notes)
+        notes += list(d.notes) if info is None else []  # told when the block went in; an update only changes it
     replaced, kept, slot = [], [], None
     after = _block_predecessor(module) if info else None
     for stmt in base.body:
@@ -287,20 +287,23 @@ def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, r
     if info and info.get("replaced"):
         replaced = info["replaced"].split(",") + [r for r in replaced if r not in info["replaced"].split(",")]
     new, added = _add_imports(new, tpl.imports)
-    if added:
-        notes.append("added imports: " + ", ".join(s.source() for s in added))
-    if info and info.get("added-imports"):
-        before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")]
-        added = before + [a for a in added if a not in before]
+    before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")] if info and info.get(
+        "added-imports") else []
+    fresh = [a for a in added if a not in before]  # the imports an earlier apply added are in the file already
+    if fresh:
+        notes.append("added imports: " + ", ".join(s.source() for s in fresh))
+    added = before + fresh
     marker = make_marker(tpl.version, strategy, added, replaced)
     code = _with_block(new, block_text(tpl, defs, marker, new.default_indent, new.default_newline))
     try:
         out = code.encode(module.encoding)
     except UnicodeEncodeError as e:
         raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
-    if info and (info.get("template") != f"v{tpl.version}" or info.get("strategy") != strategy):
-        notes.insert(0, f"upgraded dsfix's block from template {info.get('template')} strategy "
-                        f"{info.get('strategy')} to v{tpl.version} strategy {strategy}")
+    if info:
+        what = [f"template {info.get('template')} -> v{tpl.version}"] if info.get("template") != f"v{tpl.version}" else []
+        what += [f"strategy {info.get('strategy')} -> {strategy}"] if info.get("strategy") != strategy else []
+        if what:
+            notes.insert(0, "updates dsfix's block: " + ", ".join(what))
     return UtilsResult(out, notes if out != data else [], defs)
 
 
