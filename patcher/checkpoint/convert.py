@@ -39,7 +39,7 @@ from typing import Optional
 
 from patcher.errors import DsfixError
 from patcher.checkpoint.verify import (
-    CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Checks, _examples, _Header, model_folders,
+    CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Checks, examples, Header, model_folders,
 )
 
 BIN_NAME = "pytorch_model.bin"
@@ -95,12 +95,12 @@ class FolderResult(Checks):
             return f"not converted {self.path}: a check failed; nothing written"
         how = self.strategy
         if self.restored:
-            how += f"; restored {_examples(self.restored)}"
+            how += f"; restored {examples(self.restored)}"
         if self.dropped:
-            how += f"; dropped tied alias {_examples(self.dropped)}"
-        tail = (f"removed {_examples(self.removed)}" if self.removed
-                else f"{_examples(self.source)} kept (--remove-bin removes it)")
-        return (f"converted {self.path}: {_examples(self.source)} -> {_examples(self.written)}, "
+            how += f"; dropped tied alias {examples(self.dropped)}"
+        tail = (f"removed {examples(self.removed)}" if self.removed
+                else f"{examples(self.source)} kept (--remove-bin removes it)")
+        return (f"converted {self.path}: {examples(self.source)} -> {examples(self.written)}, "
                 f"{self.tensors} tensors ({how}); {tail}")
 
 
@@ -239,12 +239,12 @@ def _read(folder: Path) -> _Plan:
                                                 f"({SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME})")
     else:
         others = sorted(p.name for p in folder.glob("*.bin"))
-        found = f"; found only {_examples(others)}" if others else ""
+        found = f"; found only {examples(others)}" if others else ""
         raise DsfixError(f"no {BIN_NAME} or {BIN_INDEX_NAME} here, nor actor/, critic/ or actor_ema/ with one{found}",
                          path=str(folder))
     if has_st:
         what = SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME
-        return _Plan(folder, source, sharded, already=f"{what} is already there beside {_examples(source)} "
+        return _Plan(folder, source, sharded, already=f"{what} is already there beside {examples(source)} "
                                                       f"(remove {what} to convert again)")
     if not (folder / CONFIG_NAME).is_file():
         raise DsfixError(f"no {CONFIG_NAME}: convert needs the model's config to check the weights", path=str(folder))
@@ -258,7 +258,7 @@ def _read(folder: Path) -> _Plan:
             plan.state[key] = tensor
             plan.origin[key] = i
     if not plan.state:
-        raise DsfixError(f"{_examples(source)} holds no tensors", path=str(folder))
+        raise DsfixError(f"{examples(source)} holds no tensors", path=str(folder))
     return plan
 
 
@@ -273,10 +273,10 @@ def _bin_shards(folder: Path) -> list:
     shards = sorted(set(weight_map.values()))
     bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s]
     if bad:
-        raise DsfixError(f"{BIN_INDEX_NAME} names shards outside the folder: {_examples(bad)}", path=str(folder))
+        raise DsfixError(f"{BIN_INDEX_NAME} names shards outside the folder: {examples(bad)}", path=str(folder))
     missing = [s for s in shards if not (folder / s).is_file()]
     if missing:
-        raise DsfixError(f"{BIN_INDEX_NAME} names shards that are missing: {_examples(missing)}", path=str(folder))
+        raise DsfixError(f"{BIN_INDEX_NAME} names shards that are missing: {examples(missing)}", path=str(folder))
     return shards
 
 
@@ -311,7 +311,7 @@ def load_bin(path: Path) -> tuple[dict, bool]:
         raise DsfixError(f"not a state dict of tensors: {k!r} holds an object of type {type(obj[k]).__name__}{hint}", path=str(path))
     sparse = [k for k, v in obj.items() if v.layout != torch.strided]
     if sparse:
-        raise DsfixError(f"sparse tensors cannot be saved as safetensors: {_examples(sparse)}", path=str(path))
+        raise DsfixError(f"sparse tensors cannot be saved as safetensors: {examples(sparse)}", path=str(path))
     return obj, mapped
 
 
@@ -322,7 +322,7 @@ def _plan_tensors(plan: _Plan, strategy: str) -> None:
     """Decide the output files and tensors, and check them against the config's meta model (no writing)."""
     from patcher.checkpoint import verify as v
 
-    cfg, cfg_check, cfg_dtype = v._load_config(plan.folder)
+    cfg, cfg_check, cfg_dtype = v.load_config(plan.folder)
     plan.kind = v.folder_kind(plan.state)
     plan.checks.append(Check("source", True, _source_detail(plan)))
     plan.checks.append(cfg_check)
@@ -370,31 +370,31 @@ def _plan_tensors(plan: _Plan, strategy: str) -> None:
     else:
         plan.out = {SINGLE_NAME: keep}
 
-    head = _Header(files=list(plan.out))
+    head = Header(files=list(plan.out))
     for name, tensors in plan.out.items():
         for key, t in tensors.items():
             code = _CODES.get(str(t.dtype).replace("torch.", ""), str(t.dtype).replace("torch.", "").upper())
             head.entries[key] = (tuple(int(d) for d in t.shape), code, name)
-    keys = v._keys_check(head, expected, tie_groups)
+    keys = v.keys_check(head, expected, tie_groups)
     if plan.kind == v.CRITIC:
         keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
     plan.checks.append(keys)
-    plan.checks.append(v._shapes_check(head, expected))
-    plan.checks.append(v._nonempty_check(head))
-    plan.checks.append(v._dtype_check(head, cfg_dtype)[0])
+    plan.checks.append(v.shapes_check(head, expected))
+    plan.checks.append(v.nonempty_check(head))
+    plan.checks.append(v.dtype_check(head, cfg_dtype)[0])
     if tied_bad:
         plan.checks.append(Check("tied", False, f"tied aliases in the .bin differ from their partner: "
-                                                f"{_examples(tied_bad)}; refusing to pick one"))
+                                                f"{examples(tied_bad)}; refusing to pick one"))
     elif tie_groups:
         done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
-        plan.checks.append(Check("tied", True, _examples(done) if done else "nothing to restore or drop"))
+        plan.checks.append(Check("tied", True, examples(done) if done else "nothing to restore or drop"))
     else:
         plan.checks.append(Check("tied", True, f"{built} ties no tensors: nothing to restore"))
 
 
 def _source_detail(plan: _Plan) -> str:
     how = "memory-mapped" if plan.mmap else "read (not zip format, so not memory-mapped)"
-    return f"{_examples(plan.source)}: {len(plan.state)} tensors, loaded weights-only, {how}"
+    return f"{examples(plan.source)}: {len(plan.state)} tensors, loaded weights-only, {how}"
 
 
 def _equal(a, b) -> bool:
@@ -515,7 +515,7 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
         tied = report.check("tied")
         if tied is not None and tied.ok:
             done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
-            checks[checks.index(tied)] = tied._replace(detail=f"{tied.detail}; {_examples(done)}")
+            checks[checks.index(tied)] = tied._replace(detail=f"{tied.detail}; {examples(done)}")
 
     differ, compared = [], 0
     for name, tensors in plan.out.items():
@@ -525,8 +525,8 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
                     differ.append(key)
                 compared += 1
                 advance(source.numel() * source.element_size())
-    src = _examples(plan.source)
-    checks.append(Check("equal", not differ, f"{len(differ)} of {compared} tensors differ from {src}: {_examples(differ)}"
+    src = examples(plan.source)
+    checks.append(Check("equal", not differ, f"{len(differ)} of {compared} tensors differ from {src}: {examples(differ)}"
                         if differ else f"{compared} tensors equal, bit for bit, to {src}'s"))
     return written, checks
 
@@ -536,7 +536,7 @@ def _commit(staged: list) -> None:
     for plan, staging, written, _ in staged:
         clash = [n for n in written if (plan.folder / n).exists()]
         if clash:
-            raise DsfixError(f"{_examples(clash)} appeared while converting; nothing written", path=str(plan.folder))
+            raise DsfixError(f"{examples(clash)} appeared while converting; nothing written", path=str(plan.folder))
     moved = []
     try:
         for plan, staging, written, _ in staged:

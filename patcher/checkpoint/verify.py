@@ -97,7 +97,7 @@ class VerifyReport(Checks):
 
 
 @dataclass
-class _Header:
+class Header:
     """What the safetensors headers say: name -> (shape, dtype code, file)."""
 
     entries: dict = field(default_factory=dict)
@@ -124,7 +124,7 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def _examples(items, n: int = _SHOW) -> str:
+def examples(items, n: int = _SHOW) -> str:
     items = list(items)
     more = f" (+{len(items) - n} more)" if len(items) > n else ""
     return ", ".join(str(i) for i in items[:n]) + more
@@ -149,24 +149,24 @@ def _weight_files(folder: Path) -> tuple[list, Optional[dict], list]:
             return [], None, [f"{INDEX_NAME} is unreadable: {e}"]
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (folder / f).is_file()]
-        problems = [f"{INDEX_NAME} names shards that are missing: {_examples(missing)}"] if missing else []
+        problems = [f"{INDEX_NAME} names shards that are missing: {examples(missing)}"] if missing else []
         return [f for f in files if f not in missing], weight_map, problems
     if (folder / SINGLE_NAME).is_file():
         return [SINGLE_NAME], None, []
     others = sorted(p.name for p in folder.glob("*.safetensors"))
     if others:
-        return others, None, [f"no {SINGLE_NAME} or {INDEX_NAME}; found {_examples(others)}, which from_pretrained ignores"]
+        return others, None, [f"no {SINGLE_NAME} or {INDEX_NAME}; found {examples(others)}, which from_pretrained ignores"]
     bins = sorted(p.name for p in folder.glob("*.bin"))
     if bins:
-        raise DsfixError(f"no safetensors weights, only {_examples(bins)} (a pickle save); nothing to verify "
+        raise DsfixError(f"no safetensors weights, only {examples(bins)} (a pickle save); nothing to verify "
                          "(`dsfix convert` turns it into safetensors)", path=str(folder))
     raise DsfixError(f"no model weights ({SINGLE_NAME} or {INDEX_NAME}) in this folder", path=str(folder))
 
 
-def _read_headers(folder: Path, files: list, weight_map: Optional[dict]) -> _Header:
+def _read_headers(folder: Path, files: list, weight_map: Optional[dict]) -> Header:
     from safetensors import safe_open
 
-    head = _Header(files=list(files))
+    head = Header(files=list(files))
     for name in files:
         try:
             with safe_open(str(folder / name), framework="pt") as f:
@@ -182,11 +182,11 @@ def _read_headers(folder: Path, files: list, weight_map: Optional[dict]) -> _Hea
         absent = [k for k, f in weight_map.items() if f in files and k not in head.entries]
         unlisted = [k for k in head.entries if k not in weight_map]
         if absent:
-            head.problems.append(f"{INDEX_NAME} lists tensors its shards lack: {_examples(absent)}")
+            head.problems.append(f"{INDEX_NAME} lists tensors its shards lack: {examples(absent)}")
         if wrong:
-            head.problems.append(f"{INDEX_NAME} maps tensors to the wrong shard: {_examples(wrong)}")
+            head.problems.append(f"{INDEX_NAME} maps tensors to the wrong shard: {examples(wrong)}")
         if unlisted:
-            head.problems.append(f"shards hold tensors {INDEX_NAME} does not list: {_examples(unlisted)}")
+            head.problems.append(f"shards hold tensors {INDEX_NAME} does not list: {examples(unlisted)}")
     return head
 
 
@@ -197,7 +197,7 @@ def _read_tensor(folder: Path, file: str, key: str):
         return f.get_tensor(key)
 
 
-def _load_config(folder: Path) -> tuple[Optional[Any], Check, Optional[str]]:
+def load_config(folder: Path) -> tuple[Optional[Any], Check, Optional[str]]:
     """(config or None, the check, torch_dtype string from the json or None)."""
     path = folder / CONFIG_NAME
     if not path.is_file():
@@ -289,9 +289,9 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
         raise DsfixError("the weight files hold no tensors", path=str(path))
 
     checks: list = []
-    cfg, cfg_check, cfg_dtype = _load_config(folder)
+    cfg, cfg_check, cfg_dtype = load_config(folder)
     checks.append(cfg_check)
-    what = f"{len(files)} shard(s) via {INDEX_NAME}" if weight_map is not None else _examples(files)
+    what = f"{len(files)} shard(s) via {INDEX_NAME}" if weight_map is not None else examples(files)
     checks.append(Check("files", not problems, "; ".join(problems) if problems else f"{what}, {len(head.entries)} tensors"))
 
     kind = folder_kind(head.entries)
@@ -309,14 +309,14 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
             checks.append(Check("keys", False, f"cannot build {what} from {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
 
     if expected_shapes is not None:
-        keys = _keys_check(head, expected_shapes, tie_groups)
+        keys = keys_check(head, expected_shapes, tie_groups)
         if kind == CRITIC:
             keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
         checks.append(keys)
-        checks.append(_shapes_check(head, expected_shapes))
-    checks.append(_nonempty_check(head))
-    dtype_check, dtype_name = _dtype_check(head, cfg_dtype)
-    checks.append(dtype_check)
+        checks.append(shapes_check(head, expected_shapes))
+    checks.append(nonempty_check(head))
+    dtype_result, dtype_name = dtype_check(head, cfg_dtype)
+    checks.append(dtype_result)
     if tie_groups:
         checks.append(_tied_check(folder, head, tie_groups))
     if expect is not None:
@@ -337,7 +337,7 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
     )
 
 
-def _keys_check(head: _Header, expected: dict, tie_groups: list) -> Check:
+def keys_check(head: Header, expected: dict, tie_groups: list) -> Check:
     present = set(head.entries)
     partner = {k: g for g in tie_groups for k in g}
     missing = [k for k in expected if k not in present]
@@ -347,40 +347,40 @@ def _keys_check(head: _Header, expected: dict, tie_groups: list) -> Check:
     if really_missing or unexpected:
         parts = []
         if really_missing:
-            parts.append(f"{len(really_missing)} missing: {_examples(really_missing)}")
+            parts.append(f"{len(really_missing)} missing: {examples(really_missing)}")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected: {_examples(unexpected)}")
+            parts.append(f"{len(unexpected)} unexpected: {examples(unexpected)}")
         return Check("keys", False, "; ".join(parts))
     detail = f"{len(present)} of {len(expected)} keys"
     if aliases:
         named = [f"{k} (tied to {next(o for o in partner[k] if o in present)})" for k in aliases]
-        detail += f"; omitted tied alias {_examples(named)}"
+        detail += f"; omitted tied alias {examples(named)}"
     return Check("keys", True, detail)
 
 
-def _shapes_check(head: _Header, expected: dict) -> Check:
+def shapes_check(head: Header, expected: dict) -> Check:
     wrong = [f"{k} {_shape(s)} != {_shape(expected[k])}" for k, (s, _, _) in head.entries.items()
              if k in expected and tuple(s) != expected[k] and 0 not in s]
     empty = sum(1 for k, (s, _, _) in head.entries.items() if k in expected and 0 in s and tuple(s) != expected[k])
     if wrong or empty:
-        parts = [f"{len(wrong)} wrong: {_examples(wrong)}"] if wrong else []
+        parts = [f"{len(wrong)} wrong: {examples(wrong)}"] if wrong else []
         if empty:
             parts.append(f"{empty} empty (see non-empty)")
         return Check("shapes", False, "; ".join(parts))
     return Check("shapes", True, "all match the config's model")
 
 
-def _nonempty_check(head: _Header) -> Check:
+def nonempty_check(head: Header) -> Check:
     empty = [f"{k} {_shape(s)}" for k, (s, _, _) in head.entries.items() if 0 in s]
     if empty:
         hint = ""
         if any(s == (0,) for s, _, _ in head.entries.values()):
             hint = " — shape [0] is a ZeRO-3 partitioned placeholder: gather the parameters before saving"
-        return Check("non-empty", False, f"{len(empty)} of {len(head.entries)} tensors are empty: {_examples(empty)}{hint}")
+        return Check("non-empty", False, f"{len(empty)} of {len(head.entries)} tensors are empty: {examples(empty)}{hint}")
     return Check("non-empty", True, f"{len(head.entries)} tensors, none empty")
 
 
-def _dtype_check(head: _Header, cfg_dtype: Optional[str]) -> tuple[Check, Optional[str]]:
+def dtype_check(head: Header, cfg_dtype: Optional[str]) -> tuple[Check, Optional[str]]:
     floats = {}
     for k, (_, code, _) in head.entries.items():
         if code in _FLOAT_CODES:
@@ -397,7 +397,7 @@ def _dtype_check(head: _Header, cfg_dtype: Optional[str]) -> tuple[Check, Option
     return Check("dtype", True, f"all floating tensors {name}{note}"), name
 
 
-def _tied_check(folder: Path, head: _Header, tie_groups: list) -> Check:
+def _tied_check(folder: Path, head: Header, tie_groups: list) -> Check:
     import torch
 
     notes, bad = [], []
@@ -413,11 +413,11 @@ def _tied_check(folder: Path, head: _Header, tie_groups: list) -> Check:
             else:
                 notes.append(f"{other} == {present[0]}")
     if bad:
-        return Check("tied", False, f"tied aliases differ from their partner: {_examples(bad)} "
+        return Check("tied", False, f"tied aliases differ from their partner: {examples(bad)} "
                                     "(from_pretrained re-ties them and silently keeps only one)")
     if not notes:
         return Check("tied", True, "tied aliases not stored (transformers re-ties on load)")
-    return Check("tied", True, _examples(notes))
+    return Check("tied", True, examples(notes))
 
 
 def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
@@ -443,7 +443,7 @@ def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         vals = list(info.get(key) or [])
         if vals:
-            problems.append(f"{key.replace('_', ' ')}: {_examples(vals)}")
+            problems.append(f"{key.replace('_', ' ')}: {examples(vals)}")
     if problems:
         return Check("load", False, "from_pretrained: " + "; ".join(problems)), (model if keep_model else None)
     if device is not None:
@@ -451,7 +451,7 @@ def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
     return Check("load", True, "from_pretrained: no missing, unexpected or mismatched keys"), (model if keep_model else None)
 
 
-def critic_load_check(path, head: Optional[_Header] = None) -> Check:
+def critic_load_check(path, head: Optional[Header] = None) -> Check:
     """Load a critic folder the way step 3 does without from_pretrained (which a RewardModel lacks).
 
     Builds :class:`patcher.checkpoint.critic.CriticModel` from config.json (parameters on meta, buffers real),
@@ -488,11 +488,11 @@ def critic_load_check(path, head: Optional[_Header] = None) -> Check:
         return Check("load", False, f"load_state_dict (strict) into the critic: {msg[:400]}")
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
-        return Check("load", False, f"{len(left)} tensors left unloaded: {_examples(left)}")
+        return Check("load", False, f"{len(left)} tensors left unloaded: {examples(left)}")
     live = model.state_dict()
     differ = [k for k, t in state.items() if not same_bits(live[k], t)]
     if differ:
-        return Check("load", False, f"{len(differ)} of the critic's tensors differ from the file's: {_examples(differ)}")
+        return Check("load", False, f"{len(differ)} of the critic's tensors differ from the file's: {examples(differ)}")
     vocab = int(getattr(model.config, "vocab_size", 8) or 8)
     ids = (torch.arange(8) % vocab).unsqueeze(0)
     try:
