@@ -178,12 +178,12 @@ class Layout(NamedTuple):
 
 
 def is_engine_checkpoint(path) -> bool:
-    """True when ``path`` is what ``engine.save_checkpoint`` wrote: a folder with ``latest``, or one holding
-    ``*_model_states.pt`` (a ``global_stepN`` folder itself)."""
+    """True when ``path`` is what ``engine.save_checkpoint`` wrote: a folder with ``latest`` or step folders
+    holding ``*_model_states.pt``, or such a ``global_stepN`` folder itself."""
     folder = Path(path)
     if not folder.is_dir():
         return False
-    return (folder / LATEST).is_file() or any(folder.glob("*_model_states.pt"))
+    return (folder / LATEST).is_file() or any(folder.glob("*_model_states.pt")) or any(folder.glob("*/*_model_states.pt"))
 
 
 def find_layout(path, tag: Optional[str] = None) -> Layout:
@@ -238,14 +238,9 @@ def _layout_of(folder: Path, tag: str) -> Layout:
     if len(precisions) > 1:
         raise DsfixError(f"optimizer files of several precisions ({examples(sorted(precisions))}): two saves in one "
                          "folder?", path=str(folder))
-    world = max(optim) + 1
-    missing = [r for r in range(world) if r not in optim]
     prec = precisions.pop()
-    if missing:
-        names = [f"{'' if prec == 'fp16' else prec + '_'}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in missing]
-        raise DsfixError(f"rank {missing[0]}'s file {names[0]} is missing"
-                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                         + "; every rank's file is needed", path=str(folder))
+    world = max(optim) + 1
+    _check_ranks(folder, prec, optim, world)
     if stage3:
         gone = [r for r in range(world) if r not in model3]
         if gone:
@@ -255,6 +250,18 @@ def _layout_of(folder: Path, tag: str) -> Layout:
     else:
         model_files = (folder / _MODEL12,)
     return Layout(folder, tag, stage3, model_files, tuple(optim[r] for r in range(world)), prec)
+
+
+def optim_name(precision: str, rank: int) -> str:
+    return f"{'' if precision == 'fp16' else precision + '_'}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _check_ranks(folder: Path, precision: str, present, world: int) -> None:
+    missing = [r for r in range(world) if r not in present]
+    if missing:
+        raise DsfixError(f"rank {missing[0]}'s file {optim_name(precision, missing[0])} is missing"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                         + f"; all {world} ranks' files are needed", path=str(folder))
 
 
 # --------------------------------------------------------------------------- where each element lives
@@ -508,10 +515,10 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
         if key not in meta:
             raise DsfixError(f"no {key}: not a model_states file of a ZeRO checkpoint", path=str(layout.model_files[0]))
     world = int(meta.get("dp_world_size") or len(layout.optim_files))
+    _check_ranks(layout.folder, layout.precision, range(len(layout.optim_files)), world)
     if world != len(layout.optim_files):
-        raise DsfixError(f"dp_world_size is {world} but there are {len(layout.optim_files)} optimizer files "
-                         f"(ranks 0-{len(layout.optim_files) - 1}); a rank's file is missing or left from another save",
-                         path=str(layout.folder))
+        raise DsfixError(f"dp_world_size is {world} but there are {len(layout.optim_files)} optimizer files: "
+                         "files left from another save?", path=str(layout.folder))
     cfg, cfg_check, cfg_dtype = load_config(config)
     if cfg is None:
         raise DsfixError(f"--config: {cfg_check.detail}", path=str(config))
