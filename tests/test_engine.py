@@ -127,6 +127,7 @@ def test_maps_refuse_partitions_that_do_not_fit(call, message):
 # --------------------------------------------------------------------------- loading without running code
 
 
+@pytest.mark.slow
 def test_loader_admits_deepspeed_types_as_plain_records(tmp_path):
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
