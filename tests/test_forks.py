@@ -44,6 +44,7 @@ def test_every_fork_fixture_is_listed():
     assert len(FORKS) >= 7 and len(REFUSED) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FORKS)
 def test_fork_full_cycle(tmp_path, name):
     top, cwd, meta = _copy(FIXTURES / name, tmp_path / "a")
@@ -193,6 +194,7 @@ def _weights(out: Path, name: str) -> dict:
     return {p.parent.relative_to(out).as_posix(): p for p in sorted(out.rglob(name))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FORKS)
 def test_patched_calls_save_what_and_where_the_original_did(tmp_path, name, tiny_qwen3, tiny_qwen3_tokenizer):
     """Every save call of the fork, as written in its scripts, run before and after apply: the same folders
@@ -224,6 +226,7 @@ def test_patched_calls_save_what_and_where_the_original_did(tmp_path, name, tiny
             assert torch.equal(new[key], value), (folder, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, keeps", [("fork-keeps-lora", True), ("package", False)])
 def test_lora_weights_are_kept_exactly_where_the_fork_keeps_them(tmp_path, name, keeps, tiny_qwen3,
                                                                  tiny_qwen3_tokenizer):
@@ -250,6 +253,7 @@ def test_lora_weights_are_kept_exactly_where_the_fork_keeps_them(tmp_path, name,
     assert set(new) == set(old)
 
 
+@pytest.mark.slow
 def test_a_zero3_save_that_writes_config_gets_dsfixs_writing_it_too(tmp_path, tiny_qwen3, tiny_qwen3_tokenizer):
     """fork-legacy-tokenizer's save_zero_three_model writes config.json and the tokenizer itself (the fork
     calls it instead of save_hf_format under ZeRO-3); dsfix's replacement must write both as well."""

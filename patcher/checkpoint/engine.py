@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from patcher.checkpoint.verify import (
-    CONFIG_NAME, INDEX_NAME, Check, Checks, Header, dtype_check, examples, expected_of, keys_check, load_check,
-    load_config, meta_model, nonempty_check, shapes_check, verify_folder,
+from patcher.checkpoint.checks import (
+    CONFIG_NAME, INDEX_NAME, Check, Header, examples, keys_check, load_config, nonempty_check, shapes_check,
 )
-from patcher.errors import DsfixError
+from patcher.checkpoint.verify import Checks, expected_of, load_check, meta_model, verify_folder
+from patcher.errors import OK, PENDING, DsfixError, Written
+from patcher.report import Result
 
 LATEST = "latest"
 STAGING_PREFIX = ".dsfix-convert-"
@@ -343,10 +344,12 @@ def zero3_pieces(params: list, world: int, group_sizes: list) -> list:
 
 
 @dataclass(frozen=True)
-class EngineResult(Checks):
+class EngineResult(Result, Checks):
+    """``dsfix convert``'s result for an engine checkpoint (the .bin case's is convert.ConvertReport)."""
+
     path: str  # the checkpoint folder given
     output: str
-    status: str  # "converted" or "failed"
+    status: str  # "converted" or "failed" (a check failed: nothing written)
     ok: bool
     checks: tuple = ()
     tag: str = ""
@@ -359,29 +362,31 @@ class EngineResult(Checks):
     written: tuple = ()
     bytes_written: int = 0
     note: str = ""
-
-    kind = "engine"
+    verb = "convert"
+    warnings = ()
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        return OK if self.ok else PENDING
 
-    def to_dict(self) -> dict:
+    @property
+    def message(self) -> str:
+        if not self.ok:
+            return f"not converted {self.path}: {self.note or 'a check failed'}; nothing written"
+        return (f"converted {self.path} ({self.tag}) -> {self.output}: {self.tensors} tensors, {self.dtype}, "
+                f"{self.strategy}; {examples(self.written)}")
+
+    def describe(self) -> str:
+        stage = f"ZeRO-{self.stage}" if self.stage is not None else "ZeRO"
+        return (f"{self.path}: a DeepSpeed engine checkpoint ({self.tag}, {stage}, {self.world} rank(s), "
+                f"{self.precision} optimizer states), written to {self.output}")
+
+    def body(self) -> dict:
         return {"path": self.path, "kind": "deepspeed-engine-checkpoint", "output": self.output, "status": self.status,
                 "ok": self.ok, "tag": self.tag, "zero_stage": self.stage, "world_size": self.world,
                 "precision": self.precision, "dtype": self.dtype, "strategy": self.strategy, "tensors": self.tensors,
                 "written": list(self.written), "bytes_written": self.bytes_written, "note": self.note,
                 "checks": [c._asdict() for c in self.checks]}
-
-    def describe(self) -> str:
-        return (f"{self.path} is a DeepSpeed engine checkpoint: {self.tag}, ZeRO-{self.stage}, {self.world} rank(s), "
-                f"{self.precision} optimizer states")
-
-    def summary(self) -> str:
-        if not self.ok:
-            return f"not converted {self.path}: {self.note or 'a check failed'}; nothing written"
-        return (f"converted {self.path} ({self.tag}) -> {self.output}: {self.tensors} tensors, {self.dtype}, "
-                f"{self.strategy}; {examples(self.written)}")
 
 
 # --------------------------------------------------------------------------- the plan
@@ -565,6 +570,7 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
                                 note="a check of the written folder failed", **base)
         try:
             os.rename(staging, output)  # onto a missing or empty folder: atomic
+            Written.mark()  # an interrupt from here on leaves the converted folder in place
         except OSError as e:
             raise DsfixError(f"cannot move the converted folder into place: {e.strerror or e}; nothing written",
                              path=str(output))

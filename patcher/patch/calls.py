@@ -265,6 +265,7 @@ class _Uses(ast.NodeVisitor):
         self.calls = []  # (node, tracked name, containers)
         self.candidates = []  # every syntactic candidate call, for matching libcst nodes by order
         self.reads = {}  # bound name -> bare reads that resolve to a tracked import
+        self.visited = set()  # ids of the nodes visited: each once, in the scope Python evaluates it in
 
     def _qualified(self, name: str) -> list:
         scope = self.stack[-1].resolve(name)
@@ -307,6 +308,12 @@ class _Uses(ast.NodeVisitor):
         if isinstance(node.ctx, ast.Load) and node.id in self.bare:
             if any(q in self.tracked for q in self._qualified(node.id)):
                 self.reads[node.id] = self.reads.get(node.id, 0) + 1
+
+    def visit(self, node):
+        if id(node) in self.visited:  # a default or a first iterable, visited already in the enclosing scope
+            return None
+        self.visited.add(id(node))
+        return super().visit(node)
 
     def visit_Call(self, node):
         if _callee_name(node.func) in self.callee_names:

@@ -14,6 +14,7 @@ from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch.locate import Checkout, find_checkout, find_patched, find_state_root
 from patcher.patch.plan import Status, Target
 from patcher.patch.template import load_template
+from patcher.report import Result
 
 
 @dataclass
@@ -26,7 +27,8 @@ class FileReport:
 
 
 def exit_code(verb: str, files: list) -> int:
-    """The one place exit codes come from: check 1 when a file would change, revert 1 when one is refused."""
+    """The one place the patch verbs' exit codes come from: check 1 when a file would change, revert 1 when
+    one is refused."""
     if verb == "check" and any(f.status == Status.WOULD_CHANGE for f in files):
         return PENDING
     if verb == "revert" and any(f.status == Status.REFUSED for f in files):
@@ -35,7 +37,7 @@ def exit_code(verb: str, files: list) -> int:
 
 
 @dataclass
-class Outcome:
+class Outcome(Result):
     """One object owns the file reports, the wording and the exit code (like black's Report)."""
 
     verb: str
@@ -51,15 +53,11 @@ class Outcome:
     def exit_code(self) -> int:
         return exit_code(self.verb, self.files)
 
-    def to_json(self) -> dict:
+    def body(self) -> dict:
         return {
-            "verb": self.verb,
             "checkout": str(self.root),
             "layout": self.layout,
-            "exit_code": self.exit_code,
-            "message": self.message,
             "files": [{**vars(f), "status": f.status.value} for f in self.files],
-            "warnings": self.warnings,
         }
 
 
@@ -123,49 +121,42 @@ def apply(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) 
 
 def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
     """With the state folder (found at or above ``repo``), the files it records; without, a structural undo
-    of what dsfix changed, found in the files themselves (see locate.find_patched)."""
+    of what dsfix changed, found in the files themselves (see locate.find_patched). What to do with each
+    file, in which order, and what counts as restored is plan_revert's; here: read, then write once."""
     root = find_state_root(repo)
-    co = None
+    co, not_a_checkout = None, None
     if root is None:
         try:
             co = find_checkout(repo, main, scripts)
             root = co.root
-        except DsfixError:  # a layout only --main could name, say: the files still tell what dsfix changed
+        except DsfixError as e:  # a layout only --main could name, say: the files still tell what dsfix changed
+            not_a_checkout = e
             root = Path(repo).resolve()
             root = root if root.is_dir() else root.parent
     with st.lock(root):
         st.recover(root)
         saved = st.load(root)
-        if saved is not None:
-            targets = [Target(rel, e["role"], _maybe_read(root / rel, rel), tuple(e.get("modules") or ()))
-                       for rel, e in sorted(saved.entries.items())]
-            layout = None
-        else:
-            targets = _targets(co, list(co.step_mains), strict=False) if co is not None else []
-            known = {t.rel for t in targets}
-            for path, role, modules in find_patched(root):
-                rel = Path(os.path.relpath(path, root)).as_posix()
-                if rel not in known:
-                    targets.append(Target(rel, role, st.read_bytes(path, rel), tuple(modules)))
-            targets.sort(key=lambda t: t.role != "utils")
-            layout = co.layout if co is not None else "marked"
-            if not targets:
-                out = Outcome("revert", root, layout, message="nothing to revert: no dsfix patch found")
-                return out
+        found = []
+        if saved is None:
+            found = list(co.targets(list(co.step_mains), False)) if co is not None else []
+            found += [(Path(os.path.relpath(path, root)).as_posix(), role, modules)
+                      for path, role, modules in find_patched(root)]
+            if not found and not_a_checkout is not None:  # no state folder, no checkout, no marker
+                raise not_a_checkout
+        order = planner.revert_targets(saved, found)
+        read = _maybe_read if saved is not None else st.read_bytes
+        targets = [Target(rel, role, read(root / rel, rel), modules) for rel, role, modules in order]
         plan = planner.plan_revert(targets, saved, force, load_template)
-        out = Outcome("revert", root, co.layout if co else layout)
+        out = Outcome("revert", root, None if saved is not None else (co.layout if co else "marked"))
         for r in plan.results:
             out.files.append(FileReport(r.rel, r.status, r.notes + ([r.reason] if r.reason else [])))
         if plan.refused:
             names = ", ".join(r.rel for r in plan.refused)
             out.message = f"refused, nothing written: {names} changed since apply; " + plan.refused[0].reason
             return out
-        current = {t.rel: t.data for t in targets}
-        writes = [(root / r.keep_as, current[r.rel]) for r in plan.results if r.keep_as and current[r.rel] is not None]
-        writes += [(root / r.rel, r.new) for r in plan.results if r.new is not None and r.new != current[r.rel]]
-        st.commit(root, writes, None if saved is not None else st.KEEP,
+        st.commit(root, [(root / rel, data) for rel, data in plan.writes], None if saved is not None else st.KEEP,
                   rel_of=lambda p: Path(os.path.relpath(p, root)).as_posix())
-        n = len([w for w in writes if not str(w[0]).endswith(".dsfix-edited")])
+        n = len(plan.restored)
         out.message = f"{_plural(n)} restored" if n else "nothing to revert: no dsfix patch found"
         return out
 

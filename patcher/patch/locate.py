@@ -4,7 +4,6 @@ really imports (resolved by file, see patcher.patch.resolve), the way git finds 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,12 +153,12 @@ def _remembered(start: Path):
     root = find_state_root(start)
     if root is None:
         return None
-    try:
-        data = json.loads((root / ".dsfix" / "state.json").read_text("utf-8"))
-        main = root / data["main"]
-        scripts = [root / s for s in data.get("scripts", ())]
-    except (OSError, ValueError, KeyError, TypeError):
+    from patcher.patch import state
+
+    recorded = state.recorded_scripts(root)
+    if recorded is None:
         return None
+    main, scripts = root / recorded[0], [root / s for s in recorded[1]]
     scripts = [s for s in scripts if s.is_file()]
     if not main.is_file() or (main == root / STEP_MAIN[1] and not scripts):
         return None
@@ -182,12 +181,14 @@ def _chat_roots_below(start: Path, depth: int = 4) -> list:
 
 def find_state_root(repo: str | os.PathLike = ".") -> Path | None:
     """The folder at or above ``repo`` whose state folder records an earlier apply, if any."""
+    from patcher.patch import state
+
     start = Path(repo)
     if not start.exists():
         raise DsfixError(f"no such file or folder: {repo}")
     start = start.resolve()
     for d in (start, *start.parents):
-        if (d / ".dsfix" / "state.json").is_file() or any(d.glob(".dsfix.old-*")):
+        if state.has_state(d):
             return d
     return None
 

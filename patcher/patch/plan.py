@@ -18,7 +18,8 @@ import libcst as cst
 from patcher.patch import calls, transforms
 from patcher.patch.diff import split_lines
 from patcher.errors import DsfixError
-from patcher.patch.template import Template, _defined_name, is_dsfix_name, load_loader
+from patcher.patch.names import is_dsfix_name
+from patcher.patch.template import Template, defined_name, load_loader
 
 STEP2_WARNING = (
     "step 2 will save model.safetensors, but dsfix found no model_utils.py defining create_critic_model, step 3's "
@@ -106,6 +107,8 @@ class RevertOutcome:
 class RevertPlan:
     results: tuple
     refused: tuple  # the refused RevertOutcomes (nothing is written when there are any)
+    writes: tuple = ()  # (rel, bytes) in the order to write: the users' versions kept beside first, then restores
+    restored: tuple = ()  # the files whose dsfix change is undone (what "N files restored" counts)
 
 
 # ----------------------------------------------------------------------------- parsing and rendering
@@ -239,7 +242,7 @@ def dsfix_block(data: bytes) -> str:
     """dsfix's inserted statements (and the marker), as text, to tell whether a user edited them."""
     module = cst.parse_module(data)
     return "".join(module.code_for_node(s) for s in module.body
-                   if (n := _defined_name(s)) is not None and is_dsfix_name(n))
+                   if (n := defined_name(s)) is not None and is_dsfix_name(n))
 
 
 def has_residue(data: bytes, rel: str, role: str, modules: tuple) -> bool:
@@ -326,13 +329,28 @@ def revert_without_state(target: Target, tpl_for, force: bool) -> RevertOutcome:
     return RevertOutcome(rel, new, Status.STRUCTURAL, notes=["no state folder: undone structurally"])
 
 
+def revert_targets(saved: Saved | None, found: list) -> list:
+    """Which files revert reads, in which order: [(rel, role, modules)].
+
+    With the state folder, the files it records (by path). Without it, ``found``: the checkout's targets
+    and the files that hold dsfix's marker or call its functions, each once, utils.py first."""
+    if saved is not None:
+        return [(rel, e["role"], tuple(e.get("modules") or ())) for rel, e in sorted(saved.entries.items())]
+    seen, out = set(), []
+    for rel, role, modules in found:
+        if rel not in seen:
+            seen.add(rel)
+            out.append((rel, role, tuple(modules)))
+    return sorted(out, key=lambda t: t[1] != "utils")  # stable: otherwise in the order found
+
+
 def plan_revert(targets: list, saved: Saved | None, force: bool, tpl_for) -> RevertPlan:
-    """One decision per file. With the state folder, ``targets`` are the files it records; without it,
-    utils.py first: when it holds no dsfix block, dsfix never patched this checkout and the scripts'
-    calls of save_hf_format_safetensors are someone's hand edit, left alone."""
+    """One decision per file, and the writes that carry them out. With the state folder, ``targets`` are
+    the files it records; without it, utils.py first: when it holds no dsfix block, dsfix never patched
+    this checkout and the scripts' calls of save_hf_format_safetensors are someone's hand edit, left alone."""
     if saved is not None:
         results = [revert_with_state(saved, t.rel, t.data) for t in targets]
-    elif not has_residue(targets[0].data, targets[0].rel, "utils", ()):
+    elif not targets or not has_residue(targets[0].data, targets[0].rel, "utils", ()):
         results = [RevertOutcome(t.rel, None, Status.UNCHANGED) for t in targets]
     else:
         results = [revert_without_state(t, tpl_for, force) for t in targets]
@@ -343,4 +361,9 @@ def plan_revert(targets: list, saved: Saved | None, force: bool, tpl_for) -> Rev
             r.keep_as = r.rel + ".dsfix-edited"
             r.notes.append(f"--force: your version is kept as {r.keep_as}")
         refused = []
-    return RevertPlan(tuple(results), tuple(refused))
+    if refused:
+        return RevertPlan(tuple(results), tuple(refused))
+    current = {t.rel: t.data for t in targets}
+    kept = [(r.keep_as, current[r.rel]) for r in results if r.keep_as and current[r.rel] is not None]
+    restores = [(r.rel, r.new) for r in results if r.new is not None and r.new != current[r.rel]]
+    return RevertPlan(tuple(results), (), tuple(kept + restores), tuple(rel for rel, _ in restores))

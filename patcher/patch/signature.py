@@ -403,7 +403,7 @@ def generate(sd: SaveDef, docstring: str, indent: str = "    ") -> str:
     for key, value in passed.items():
         args.append(f"{key}={value}")
     if not sd.drops_lora:  # the fork's own save keeps LoRA weights: so does dsfix's
-        args.append("keep_lora=True")
+        args.append("drop=lambda name: False")
     if sd.name == "save_zero_three_model" and "config" in sd.writes:  # the fork's ZeRO-3 save writes config.json
         args.append("with_config=True")
     for e in EXTRAS:

@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-from patcher.errors import LOCKED, DsfixError
+from patcher.errors import LOCKED, DsfixError, Written
 from patcher.patch.plan import Saved, sha256
 
 STATE_DIR = ".dsfix"
@@ -86,6 +86,24 @@ def recover(root: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def has_state(root: Path) -> bool:
+    """Whether ``root`` holds a state folder, or one a killed run moved aside."""
+    return (root / STATE_DIR / "state.json").is_file() or any(root.glob(f"{STATE_DIR}.old-*"))
+
+
+def recorded_scripts(root: Path) -> tuple | None:
+    """(step-1 script, [further scripts]) as the state folder records them, relative to ``root``, read without
+    checking the saved copies; None when there is no readable record."""
+    try:
+        data = json.loads((root / STATE_DIR / "state.json").read_text("utf-8"))
+        main, scripts = data["main"], list(data.get("scripts", ()))
+        if not all(isinstance(p, str) for p in (main, *scripts)):
+            raise TypeError("not a path")
+        return main, scripts
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def load(root: Path) -> Saved | None:
     """The state folder's content, each copy checked against its hash; None when there is none."""
     folder = root / STATE_DIR
@@ -121,17 +139,23 @@ def _build(folder: Path, saved: Saved) -> None:
     for name, data in files.items():
         p = folder / name
         p.parent.mkdir(parents=True, exist_ok=True)
-        with open(p, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    _fsync_dir(folder)
+        write_synced(p, data)
+    fsync_dir(folder)
 
 
 # ----------------------------------------------------------------------------- writing
 
 
-def _fsync_dir(path: Path) -> None:
+def write_synced(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` (created or truncated), flushed and fsynced before it returns."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so a rename in it lasts; where the system cannot, nothing."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -149,10 +173,7 @@ def _write_temp(target: Path, data: bytes) -> Path:
                 stale.unlink()
     tmp = target.parent / f".{target.name}.{os.getpid()}{TMP_SUFFIX}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, data)
         with contextlib.suppress(FileNotFoundError):
             os.chmod(tmp, target.stat().st_mode & 0o7777)
     except BaseException:
@@ -198,7 +219,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                 raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
             done.append((target, old))
         for target, _tmp in temps:
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
     except BaseException:
         for target, old in reversed(done):
             if old is None:
@@ -216,5 +237,6 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                 os.replace(old_dir, folder)
         shutil.rmtree(new_dir, ignore_errors=True)
         raise
+    Written.mark()  # every file is in place: an interrupt from here on leaves them written
     shutil.rmtree(old_dir, ignore_errors=True)
-    _fsync_dir(root)
+    fsync_dir(root)

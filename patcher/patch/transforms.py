@@ -14,8 +14,8 @@ import libcst as cst
 
 from patcher.patch import calls, signature
 from patcher.errors import DsfixError
-from patcher.patch.names import NEW_NAMES, PUBLIC_NAMES, RENAMES
-from patcher.patch.template import ImportSpec, Template, _defined_name, dotted, is_dsfix_name
+from patcher.patch.names import NEW_NAMES, PUBLIC_NAMES, RENAMES, is_dsfix_name
+from patcher.patch.template import ImportSpec, Template, defined_name, dotted
 
 MARKER_PREFIX = "# dsfix:"
 MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
@@ -268,7 +268,7 @@ def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, r
     replaced, kept, slot = [], [], None
     after = _block_predecessor(module) if info else None
     for stmt in base.body:
-        name = _defined_name(stmt)
+        name = defined_name(stmt)
         if name is not None and is_dsfix_name(name):
             replaced.append(name)
             slot = len(kept) if slot is None else slot
@@ -308,7 +308,7 @@ def _block_predecessor(module: cst.Module):
     """The statement right before dsfix's block (unpatch_utils keeps it as the same node)."""
     prev = None
     for stmt in module.body:
-        name = _defined_name(stmt)
+        name = defined_name(stmt)
         if name is not None and is_dsfix_name(name):
             return prev
         prev = stmt
@@ -357,7 +357,7 @@ def unpatch_utils(module: cst.Module, keep_replaced: bool = False) -> cst.Module
             "which is gone, so it cannot be restored structurally",
             code=1,
         )
-    body = [s for s in module.body if not ((n := _defined_name(s)) is not None and is_dsfix_name(n))]
+    body = [s for s in module.body if not ((n := defined_name(s)) is not None and is_dsfix_name(n))]
     for tok in (info.get("added-imports") or "").split(","):
         if tok:
             body = _remove_import(body, ImportSpec.from_token(tok))
