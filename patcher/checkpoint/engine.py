@@ -615,9 +615,10 @@ class _Out(NamedTuple):
     itemsize: int
 
 
-def _layout_files(entries: list, limit: int) -> list:
-    """[(file name, header bytes, {name: data offset})] laid out by the inserted save's own layout function,
-    so the files follow its format rules. The offsets are read back from the header it made."""
+def _layout_files(entries: list, limit: int, staging: Path) -> list:
+    """[(file name, header bytes, {name: (absolute data offset, nbytes)})], laid out by the inserted save's own
+    function (``_dsfix_files``: runs up to ``limit`` bytes, each file's tensors by dtype then name, every
+    offset aligned), so both write the same format."""
     import importlib.util
 
     import torch
@@ -627,22 +628,12 @@ def _layout_files(entries: list, limit: int) -> list:
     spec = importlib.util.spec_from_file_location("dsfix_template_save", resource_path("templates", "save_safetensors.py"))
     tpl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tpl)
-    records = []
-    for e in entries:
-        itemsize = torch.empty((), dtype=e.dtype).element_size()
-        records.append({"name": e.name, "param": None, "tensor": None, "shape": tuple(e.shape),
-                        "real_shape": tuple(e.shape), "dtype": e.dtype,
-                        "st_dtype": tpl._DSFIX_DTYPES[str(e.dtype).replace("torch.", "")],
-                        "nbytes": _numel(e.shape) * itemsize})
-    _, files = tpl._dsfix_layout(records, 0, int(limit), 1)
+    records = [tpl._DsfixTensor(e.name, torch.empty(0, dtype=e.dtype, device="meta"), None, tuple(e.shape),
+                                _numel(e.shape) * torch.empty((), dtype=e.dtype).element_size()) for e in entries]
     out = []
-    for f in files:
-        header = f["header"]
-        size = int.from_bytes(header[:8], "little")
-        meta = json.loads(header[8:8 + size])
-        offsets = {k: (len(header) + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
-                   for k, v in meta.items() if k != "__metadata__"}
-        out.append((f["name"], header, offsets))
+    for f in tpl._dsfix_files(records, int(limit), str(staging)):
+        sizes = {t.name: t.nbytes for t in f.tensors}
+        out.append((f.name, f.header, {k: (len(f.header) + at, sizes[k]) for k, at in f.offsets.items()}))
     return out
 
 
@@ -661,7 +652,7 @@ def _write(layout: Layout, meta: dict, entries: list, staging: Path, world: int,
 
     import torch
 
-    files = _layout_files(entries, limit)
+    files = _layout_files(entries, limit, staging)
     by_source: dict = {}
     outs: dict = {}
     fds = []
