@@ -430,21 +430,18 @@ def _equal(a, b) -> bool:
 
 
 def _unshare(tensors: dict) -> tuple[dict, list]:
-    """The tensors, each its own contiguous memory as save_file wants; copies only what overlaps or is strided."""
-    out, seen, copied = {}, {}, []
+    """The tensors, each its own contiguous memory as save_file wants; copies only what overlaps or is strided.
+    What overlaps is the inserted save's own rule (the template's ``_dsfix_find_alias``), so both agree."""
+    from patcher.resources import load_module
+
+    find_alias = load_module("templates", "save_safetensors.py")._dsfix_find_alias
+    out, spans, copied = {}, {}, []
     for key, t in tensors.items():
         if not t.is_contiguous():
             t = t.contiguous()
-        elif t.numel():
-            storage = t.untyped_storage()
-            start = t.data_ptr()
-            end = start + t.numel() * t.element_size()
-            spans = seen.setdefault((storage.data_ptr(), storage.nbytes()), [])
-            if any(start < e and s < end for s, e in spans):
-                t = t.clone()
-                copied.append(key)
-            else:
-                spans.append((start, end))
+        elif find_alias(key, t, spans)[0] is not None:
+            t = t.clone()
+            copied.append(key)
         out[key] = t
     return out, copied
 
