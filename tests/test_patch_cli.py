@@ -235,8 +235,8 @@ def test_main_py_forms_seen_in_forks(tmp_path):
     assert 'u.save_hf_format_safetensors(model, tokenizer, args, "best")' in main
     assert "save_zero_three_model_safetensors as save_z3,  # gathers under ZeRO-3" in main
     assert "save_z3(model, args.global_rank" in main
-    assert "    save_hf_format,\n    save_hf_format_safetensors,\n" in main  # still used as a value
-    assert '{"save": save_hf_format}' in main
+    assert "    save_hf_format_safetensors,\n" in main and "    save_hf_format,\n" not in main
+    assert '{"save": save_hf_format_safetensors}' in main  # a use as a value is rewritten too
 
 
 @pytest.mark.slow

@@ -252,6 +252,17 @@ def find_module(dotted: str, search_path) -> tuple:
     return None, "empty module name"  # pragma: no cover
 
 
+def _declares_all(path: Path) -> bool:
+    """Whether a module sets ``__all__`` at its top level (a star import then brings only what it lists)."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    return any(isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+        isinstance(t, ast.Name) and t.id == "__all__" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+        for n in tree.body)
+
+
 def defines_save(path: Path) -> bool:
     try:
         data = path.read_bytes()
@@ -355,9 +366,11 @@ def resolve_script(script: Path, data: bytes, chat_root: Path) -> Resolution:
                 if all(not r.endswith(f": {why}") for r in reasons):  # M.a is missing because M is: said once
                     reasons.append(f"{dotted}: {why}")
         if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) and hits:
-            res.lines.append(ImportLine(node.lineno, _short(node, source), (),
-                                        "a star import: name save_hf_format in the import to let dsfix rewrite it"))
-            continue
+            hits = hits[:1]  # the module itself
+            if _declares_all(hits[0][1]):
+                raise DsfixError("imports the save functions with a star import, and the utils module's __all__ "
+                                 "would not bring in dsfix's functions; import save_hf_format by name instead",
+                                 path=_rel_to(script, chat_root), line=node.lineno)
         for dotted, path in hits:
             by_file.setdefault(path, []).append(dotted)
         if hits:
