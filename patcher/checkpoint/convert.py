@@ -40,6 +40,7 @@ from typing import Optional
 
 from patcher.checkpoint import checks as ck
 from patcher.checkpoint.checks import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Header, examples
+from patcher.checkpoint.files import fsync
 from patcher.checkpoint.verify import Checks, model_folders
 from patcher.errors import OK, PENDING, DsfixError, Written
 from patcher.report import Result
@@ -444,23 +445,6 @@ def _unshare(tensors: dict) -> tuple[dict, list]:
             copied.append(key)
         out[key] = t
     return out, copied
-
-
-def fsync(path: Path) -> None:
-    """fsync a written file (an error raises), or a folder so a rename in it lasts (where the system allows)."""
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        if path.is_dir():
-            return
-        raise
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not path.is_dir():
-            raise
-    finally:
-        os.close(fd)
 
 
 def _stage(plan: _Plan, load: bool, advance) -> tuple[Path, list, list]:
