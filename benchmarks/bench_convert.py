@@ -127,6 +127,10 @@ def main():
     parser.add_argument("--tmpdir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
+    sys.path.insert(0, REPO_ROOT)
+    from patcher.prereq import require_or_exit
+
+    require_or_exit("bench_convert")  # before anything is built: one line naming what to install
     repeats = args.repeats or (1 if args.quick else 3)
     config = NARROW_CONFIG if args.quick else FULL_CONFIG
 

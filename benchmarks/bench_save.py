@@ -177,6 +177,11 @@ def main(argv=None):
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.child:  # before anything is built: one line naming what to install
+        sys.path.insert(0, common.REPO_ROOT)
+        from patcher.prereq import require_or_exit
+
+        require_or_exit("bench_save", cuda=args.device == "cuda")
     args.argv = sys.argv[1:] if argv is None else argv
     args.config = args.config or (common.NARROW_CONFIG if args.quick else common.FULL_CONFIG)
     args.rounds = args.rounds or (1 if args.quick else 3)

@@ -5,10 +5,9 @@ For each rank count (2 and 4 by default) one launcher run builds a full-size Qwe
 random bf16 weights, tied embeddings) on every rank, wraps it in a DeepSpeed ZeRO-3 engine (gloo, plain
 SGD, every parameter partitioned: the most gathers), then saves it over and over, methods alternated:
 
-  dsfix one at a time       the template's save_zero_three_model_safetensors, DSFIX_GATHER_BUCKET_MB=0
+  dsfix one at a time       the template's save_zero_three_model_safetensors, _DSFIX_GATHER_BUCKET_MB = 0
   dsfix bucketed            the same with the default bucket (the default since bucketing exists)
   ... dedupe                the same with strategy="dedupe": the tied lm_head left out, as upstream does
-  ... parallel writes       the same with DSFIX_PARALLEL_WRITE=1 and --parallel-shard-mb shards
   upstream torch.save       upstream's algorithm: gather each parameter, rank 0 copies it, torch.save
   DeepSpeed save_16bit      engine.save_16bit_model (stage3_gather_16bit_weights_on_model_save)
   dsfix plain, 1 rank       the template's save of an ordinary copy of the model on rank 0, no ZeRO
@@ -36,7 +35,6 @@ from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, ru
 
 METHODS = (("one", "dsfix one at a time"), ("bucketed", "dsfix bucketed (default)"),
            ("dedupe", "dsfix bucketed, dedupe (upstream's bytes)"),
-           ("one_parallel", "dsfix one at a time, parallel writes"), ("parallel", "dsfix bucketed, parallel writes"),
            ("upstream", "upstream torch.save (rank 0)"), ("deepspeed", "DeepSpeed save_16bit_model"),
            ("plain", "dsfix plain save, 1 rank, no ZeRO"), ("gather", "the gathers alone, bucketed, no write"))
 LABELS = dict(METHODS)
@@ -112,16 +110,13 @@ def worker(args):
     for round_ in range(args.rounds):
         for method in methods[round_ % len(methods):] + methods[:round_ % len(methods)]:
             out = os.path.join(args.work, "%d-ranks-%s" % (world, method))
-            parallel = method.endswith("parallel")
-            os.environ["DSFIX_GATHER_BUCKET_MB"] = "0" if method.startswith("one") else str(args.bucket_mb)
-            os.environ["DSFIX_PARALLEL_WRITE"] = "1" if parallel else "0"
-            shard = int(args.parallel_shard_mb * common.MIB) if parallel else None
+            template._DSFIX_GATHER_BUCKET_MB = 0 if method == "one" else args.bucket_mb
             dist.barrier()
             rss, gathers[0] = common.reset_peak(), 0
             dist.barrier()
             begin = time.perf_counter()
-            if method in ("one", "bucketed", "one_parallel", "parallel", "dedupe"):
-                template.save_zero_three_model_safetensors(engine, rank, out, zero_stage=3, max_shard_size=shard,
+            if method in ("one", "bucketed", "dedupe"):
+                template.save_zero_three_model_safetensors(engine, rank, out, zero_stage=3,
                                                            strategy="dedupe" if method == "dedupe" else "clone")
             elif method == "upstream":
                 os.makedirs(out, exist_ok=True)
@@ -161,7 +156,7 @@ def launch(world, args, work):
     cmd = [deepspeed_launcher() or "deepspeed", "--num_gpus", str(world), "--master_port", str(free_port()),
            os.path.abspath(__file__), "--worker",
            "--config", args.config, "--rounds", str(args.rounds), "--methods", args.methods,
-           "--bucket-mb", str(args.bucket_mb), "--parallel-shard-mb", str(args.parallel_shard_mb),
+           "--bucket-mb", str(args.bucket_mb),
            "--work", work, "--result", result]
     env = dict(rank_env(nproc=world), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=common.REPO_ROOT)
     code, output = run_group(cmd, env, args.timeout)  # killed whole past the limit: the launcher and its ranks
@@ -210,7 +205,7 @@ def report(run, summary):
         lines.append("- dsfix bucketed, rank-0 peak above the engine = %.0f MiB (goal <= bucket + largest tensor = "
                      "%.0f MiB): %s" % (bucketed["rank0_peak"] / mib, limit / mib,
                                         "PASS" if bucketed["rank0_peak"] <= limit else "MISS"))
-    for one, many in (("one", "bucketed"), ("bucketed", "parallel")):
+    for one, many in (("one", "bucketed"),):
         if one in summary and many in summary:
             lines.append("- %s / %s = %.2f" % (LABELS[many], LABELS[one],
                                                  summary[many]["wall_s"] / summary[one]["wall_s"]))
@@ -225,8 +220,6 @@ def main(argv=None):
     parser.add_argument("--config", default=None, help="a Qwen3 config.json (default: the bundled Qwen3-0.6B)")
     parser.add_argument("--methods", default=",".join(m for m, _ in METHODS), help="a comma-separated subset")
     parser.add_argument("--bucket-mb", type=float, default=None, help="the gather bucket (default: the template's)")
-    parser.add_argument("--parallel-shard-mb", type=float, default=None,
-                        help="max_shard_size for the parallel rows (default 400; --quick 0.5)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per launcher run")
     parser.add_argument("--tmpdir", default=None, help="where to write (default: the system's temporary folder)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -235,10 +228,13 @@ def main(argv=None):
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.worker:  # before any rank starts: one line naming what to install
+        from patcher.prereq import require_or_exit
+
+        require_or_exit("bench_zero3", deepspeed="a ZeRO-3 benchmark")
     args.config = args.config or (common.NARROW_CONFIG if args.quick else common.FULL_CONFIG)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.bucket_mb = common.template()._DSFIX_GATHER_BUCKET_MB if args.bucket_mb is None else args.bucket_mb
-    args.parallel_shard_mb = args.parallel_shard_mb or (0.5 if args.quick else 400)
     if args.worker:
         return worker(args)
     work = tempfile.mkdtemp(prefix="dsfix-bench-z3-", dir=args.tmpdir)
@@ -257,8 +253,6 @@ def main(argv=None):
           "(OMP_NUM_THREADS=1); %d round(s), methods alternated; medians" % (
               os.path.relpath(args.config, common.REPO_ROOT), args.rounds))
     print("- machine: %s" % facts)
-    print("- parallel rows: max_shard_size %.1f MiB, so every rank has shards to write; the others write one file"
-          % args.parallel_shard_mb)
     for run in runs:
         print()
         print(report(run, run["summary"]))

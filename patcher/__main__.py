@@ -1,3 +1,7 @@
-from patcher.cli import main
+from patcher.errors import interrupt_at_startup
+
+interrupt_at_startup()  # before the imports that take most of a second: Ctrl-C there is one line, exit 130
+
+from patcher.cli import main  # noqa: E402
 
 main()

@@ -1,25 +1,57 @@
-"""The dsfix command line: parse options, call the pipeline, print, map results to exit codes."""
+"""The dsfix command line: parse options, call the flow, and one path for every result and every error.
+
+Each command returns a result (see patcher.report): ``_command`` renders it (``_emit``) or turns what went
+wrong into one line and an exit code (``_fail``); main() adds what happens outside a command (usage errors,
+Ctrl-C while the options are parsed). Exit codes: 0 ok, 1 pending/refused/a check failed, 2 error,
+3 locked, 130 interrupted (docs/cli.md).
+"""
 
 from __future__ import annotations
 
-import functools
-import json
 import sys
-from enum import Enum
 from pathlib import Path
-from typing import List, Optional
 
-import typer
+from patcher.errors import interrupt_at_startup
 
-from patcher import __version__
-from patcher.errors import ERROR, DsfixError
+if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
+    interrupt_at_startup()
+
+import functools  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+from enum import Enum  # noqa: E402
+from typing import List, Optional  # noqa: E402
+
+import typer  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
+
+from patcher import __version__  # noqa: E402
+from patcher.errors import ERROR, INTERRUPTED, DsfixError, Written  # noqa: E402
+from patcher.report import ErrorResult  # noqa: E402
 
 try:  # typer >= 0.22 vendors click
     from typer._click import exceptions as click_exc
+    from typer._click.globals import get_current_context
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exc
+    from click import get_current_context
+
+DEBUG = "dsfix.debug"  # in the click context's meta: --debug was given, anywhere on the line
+
+
+class _Group(TyperGroup):
+    """--debug is taken anywhere on the command line (before or after the subcommand, not after ``--``)."""
+
+    def parse_args(self, ctx, args):
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end]:
+            ctx.meta[DEBUG] = True
+            args = [a for a in args[:end] if a != "--debug"] + args[end:]
+        return super().parse_args(ctx, args)
+
 
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     help="Make DeepSpeed-Chat save tied-weight models (Qwen3 and friends) correctly, as safetensors.",
@@ -71,7 +103,6 @@ class _Stderr:
 
 
 err = _Stderr()
-_debug = {"on": False}
 
 
 class Strategy(str, Enum):
@@ -94,33 +125,116 @@ class DType(str, Enum):
 REPO_ARG = typer.Argument(".", help="The DeepSpeed-Chat folder, a DeepSpeedExamples checkout, or any folder inside.")
 JSON_OPT = typer.Option(False, "--json", help="Print a machine-readable result on stdout.")
 MAIN_OPT = typer.Option(
-    None, "--main", help="The step-1 script, where it is not training/step1_supervised_finetuning/main.py."
+    None, "--main", help="The step-1 script, where dsfix does not find it by itself (a path in the checkout, "
+    "else in the current folder)."
 )
 SCRIPT_OPT = typer.Option(
     [], "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py."
 )
 STRATEGY_OPT = typer.Option(
-    Strategy.clone, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
-    "dedupe: transformers' layout, the alias dropped (310)."
+    None, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
+    "dedupe: transformers' layout, the alias dropped (310). Default: as the last apply recorded, else clone.",
+    show_default=False,
 )
 STEPS_OPT = typer.Option(
-    "1", "--steps", metavar="LIST",
-    help="The DeepSpeed-Chat steps to patch, comma-separated: 1 (the default), 1,2 or 1,2,3. See README.",
+    None, "--steps", metavar="LIST",
+    help="The DeepSpeed-Chat steps to patch, comma-separated: 1, 1,2 or 1,2,3. Default: as the last apply "
+    "recorded, else 1. Listing 2 or 3 also adapts step 3's critic loader (create_critic_model) to read safetensors.",
 )
 
 
-def _guard(fn):
-    """Turn a DsfixError into one line on stderr and its exit code (a traceback only with --debug)."""
+QUIET_OPT = typer.Option(False, "--quiet", "-q", help="Print nothing (the exit code tells); --json still prints.")
+STAT_OPT = typer.Option(False, "--stat", help="Print a per-file summary (as git diff --stat does) instead of the diff.")
+
+
+# ----------------------------------------------------------------------------- the one error path
+
+
+class _Run:
+    """This process's run: whether the one line for an error or interrupt has been printed, and when Ctrl-C
+    was last pressed (a library that catches KeyboardInterrupt must not turn it into another outcome)."""
+
+    reported = False
+    interrupted_at: float | None = None
+
+
+def _interrupted_state(verb: str | None, params: dict) -> str:
+    """What the files are like after Ctrl-C during ``verb``: what the writers finished (errors.Written)."""
+    done = Written.done
+    if verb == "apply":
+        return ("apply had finished: the files are patched (undo with `dsfix revert`)" if done else
+                "files are as they were; the state folder is unchanged")
+    if verb == "revert":
+        return "revert had finished: the files are restored" if done else \
+            "files are as they were; the state folder is unchanged"
+    if verb == "convert" and params.get("output"):  # an engine checkpoint
+        return "the converted folder is in place" if done else "nothing was written"
+    if verb == "convert":
+        return ("the safetensors files are in place; .bin files not yet removed may remain" if done else
+                "every folder is as it was")
+    if verb == "smoke" and params.get("keep"):
+        return "the checkout is unchanged; the --keep folder may be incomplete"
+    if verb == "demo" and params.get("keep"):
+        return "nothing outside the --keep folder was written; its demo checkout may be left patched"
+    return "nothing was written"
+
+
+def _fail(exc: BaseException, verb: str | None, as_json: bool, debug: bool, params: dict | None = None) -> int:
+    """Every error and interrupt ends here: one line on stderr (after the traceback, with --debug), with
+    --json an ErrorResult object on stdout, and the exit code, which --debug never changes."""
+    path = line = None
+    if isinstance(exc, DsfixError):
+        code, kind, text, path, line = exc.code, "error", f"error: {exc}", exc.path, exc.line
+        bare = exc.message
+    elif isinstance(exc, (KeyboardInterrupt, typer.Abort)):
+        code, kind = INTERRUPTED, "interrupted"
+        text = bare = f"interrupted: {_interrupted_state(verb, params or {})}"
+    elif isinstance(exc, click_exc.ClickException):
+        code, kind, text = ERROR, "usage", f"error: {exc.format_message()}"
+        bare = exc.format_message()
+    else:  # an unexpected failure: still one line
+        code, kind = ERROR, "internal"
+        bare = f"{type(exc).__name__}: {exc}"
+        text = f"internal error: {bare}" + ("" if debug else " (run with --debug for a traceback)")
+    detail = exc.detail if isinstance(exc, DsfixError) else ()
+    if debug:
+        for entry in detail:
+            err.line(f"dsfix: detail: {entry}")
+    if debug and kind in ("error", "internal"):
+        import traceback
+
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    if as_json:
+        shown = text[len("error: "):] if text.startswith("error: ") else text
+        result = ErrorResult(verb, code, shown, error=bare, path=str(path) if path else None, line=line, kind=kind,
+                             detail=tuple(detail))
+        sys.stdout.write(result.to_json() + "\n")
+        sys.stdout.flush()
+    err.line(f"dsfix: {text}")
+    _Run.reported = True
+    return code
+
+
+def _command(fn):
+    """Run a command: its result goes through _emit, anything that goes wrong through _fail."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        ctx = get_current_context()
+        Written.clear()
         try:
-            return fn(*args, **kwargs)
-        except DsfixError as e:
-            if _debug["on"]:
-                raise
-            err.print(f"dsfix: error: {e}")
-            raise typer.Exit(e.code)
+            result = fn(*args, **kwargs)
+            if _Run.interrupted_at is not None:  # Ctrl-C, swallowed on the way by a library
+                raise KeyboardInterrupt
+            _emit(result, kwargs)
+        except (typer.Exit, SystemExit):
+            raise
+        except BaseException as e:  # DsfixError, KeyboardInterrupt, and the unexpected
+            if _Run.interrupted_at is not None:  # whatever it became on the way, it began as Ctrl-C
+                e = KeyboardInterrupt()
+            raise typer.Exit(_fail(e, ctx.info_name, bool(kwargs.get("as_json")), bool(ctx.meta.get(DEBUG)),
+                                   kwargs)) from None
+        raise typer.Exit(result.exit_code)
 
     return wrapper
 
@@ -133,13 +247,66 @@ def _version(value: bool):
 
 @app.callback()
 def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show a traceback on errors."),
+    debug: bool = typer.Option(False, "--debug", help="Show a traceback on errors (anywhere on the line; the "
+                                                      "exit code stays the same)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
 ):
-    _debug["on"] = debug
+    pass
 
 
-def _print_files(outcome) -> None:
+# ----------------------------------------------------------------------------- the one rendering path
+
+
+def _emit(result, opts: dict) -> None:
+    """A command's result: the human text on stderr (unless --quiet), the JSON on stdout with --json."""
+    as_json, quiet = bool(opts.get("as_json")), bool(opts.get("quiet"))
+    if not quiet:
+        _RENDER[result.verb](result, opts)
+    if as_json:
+        sys.stdout.write(result.to_json() + "\n")
+        sys.stdout.flush()
+
+
+def stat_text(rows, width: int = 80) -> str:
+    """``git diff --stat``'s summary of [(name, added, removed)]: a line per file, then the totals."""
+    rows = [(n, a, r) for n, a, r in rows if a or r]
+    if not rows:
+        return ""
+    name_w = max(len(n) for n, _, _ in rows)
+    most = max(a + r for _, a, r in rows)
+    count_w = len(str(most))
+    bar_w = max(10, width - name_w - count_w - 5)
+    lines = []
+    for name, a, r in rows:
+        if most > bar_w:  # scaled as git does: every non-zero side keeps at least one mark
+            plus = max(1, a * bar_w // most) if a else 0
+            minus = max(1, r * bar_w // most) if r else 0
+        else:
+            plus, minus = a, r
+        lines.append(f" {name.ljust(name_w)} | {str(a + r).rjust(count_w)} {'+' * plus}{'-' * minus}")
+    n, added, removed = len(rows), sum(a for _, a, _ in rows), sum(r for _, _, r in rows)
+    total = f" {n} file{'s' if n != 1 else ''} changed"
+    if added:
+        total += f", {added} insertion{'s' if added != 1 else ''}(+)"
+    if removed:
+        total += f", {removed} deletion{'s' if removed != 1 else ''}(-)"
+    return "\n".join(lines + [total]) + "\n"
+
+
+def _render_patch(outcome, opts: dict) -> None:
+    """check: the diff on stdout (or --stat's summary; nothing with --json); apply: --stat's summary.
+    Both: a line per file and the message on stderr."""
+    if not opts.get("as_json"):
+        if opts.get("stat"):
+            sys.stdout.write(stat_text([(f.rel, f.added, f.removed) for f in outcome.files]))
+            sys.stdout.flush()
+        elif outcome.verb == "check":
+            sys.stdout.flush()
+            sys.stdout.buffer.write(outcome.diff)
+            sys.stdout.buffer.flush()
+    where = {None: "as recorded in its state folder", "marked": "found by dsfix's marker lines"}.get(
+        outcome.layout, f"{outcome.layout} layout")
+    err.print(f"dsfix {outcome.verb}: {outcome.root} ({where})")
     for f in outcome.files:
         status = f.status.value
         style = {"refused": "red", "would change": "yellow", "changed": "green"}.get(status, "none")
@@ -149,41 +316,73 @@ def _print_files(outcome) -> None:
             err.line(f"      {n}")
     for w in outcome.warnings:
         err.line(("warning:", "yellow"), f" {w}")
-
-
-def _finish(outcome, as_json: bool) -> None:
-    """The human summary on stderr, the JSON result on stdout if asked, then the outcome's exit code."""
-    where = {None: "as recorded in its state folder", "marked": "found by dsfix's marker lines"}.get(
-        outcome.layout, f"{outcome.layout} layout")
-    err.print(f"dsfix {outcome.verb}: {outcome.root} ({where})")
-    _print_files(outcome)
     err.print(outcome.message)
-    if as_json:
-        sys.stdout.write(json.dumps(outcome.to_json(), indent=2) + "\n")
-    raise typer.Exit(outcome.exit_code)
+
+
+def _render_verify(result, opts: dict) -> None:
+    from patcher.checkpoint.verify import checks_table
+
+    for report in result.reports:
+        err.print(checks_table(report.checks, title=f"dsfix verify {report.path}"))
+        err.print(report.summary, markup=False)
+
+
+def _render_convert(report, opts: dict) -> None:
+    from patcher.checkpoint.convert import ConvertStatus
+    from patcher.checkpoint.verify import KIND_TEXT, checks_table
+
+    if not hasattr(report, "folders"):  # a DeepSpeed engine checkpoint (patcher.checkpoint.engine)
+        err.print(report.describe(), markup=False)
+        err.print(checks_table(report.checks, title=f"dsfix convert {report.path}"))
+        err.print(report.message, markup=False)
+        return
+    err.print(f"{report.path}: DeepSpeed-Chat .bin output (converted in place)", markup=False)
+
+    for result in report.folders:
+        if result.checks and (not result.ok or result.status is ConvertStatus.CONVERTED):
+            err.print(checks_table(result.checks, title=f"dsfix convert {result.path}"))
+        kind = f" [{KIND_TEXT[result.kind]}]" if result.kind else ""
+        err.print(result.summary() + kind, markup=False)
+
+
+def _render_smoke(report, opts: dict) -> None:
+    from patcher.checkpoint.smoke import print_report
+
+    print_report(report, err.console)
+
+
+def _render_demo(result, opts: dict) -> None:
+    from patcher.demo import print_demo
+
+    print_demo(result, err.console)
+
+
+_RENDER = {"check": _render_patch, "apply": _render_patch, "revert": _render_patch, "verify": _render_verify,
+           "convert": _render_convert, "smoke": _render_smoke, "demo": _render_demo}
+
+
+# ----------------------------------------------------------------------------- the commands
 
 
 def _patch_command(verb: str, doc: str):
     """check and apply take the same options; check also prints the diff (stdout) unless --json."""
 
     @app.command(verb, help=doc)
-    @_guard
+    @_command
     def command(
         repo: Path = REPO_ARG,
-        strategy: Strategy = STRATEGY_OPT,
-        steps: str = STEPS_OPT,
+        strategy: Optional[Strategy] = STRATEGY_OPT,
+        steps: Optional[str] = STEPS_OPT,
         main_script: Optional[Path] = MAIN_OPT,
         script: List[Path] = SCRIPT_OPT,
         as_json: bool = JSON_OPT,
+        stat: bool = STAT_OPT,
+        quiet: bool = QUIET_OPT,
     ):
         from patcher.patch import flow
 
-        outcome = getattr(flow, verb)(repo, strategy.value, _steps(steps), main_script, script)
-        if verb == "check" and not as_json:
-            sys.stdout.flush()
-            sys.stdout.buffer.write(outcome.diff)
-            sys.stdout.buffer.flush()
-        _finish(outcome, as_json)
+        return getattr(flow, verb)(repo, strategy.value if strategy else None,
+                                   _steps(steps) if steps is not None else None, main_script, script)
 
     return command
 
@@ -195,19 +394,20 @@ apply = _patch_command("apply", "Patch the checkout: all files or none. Exit 0: 
 
 
 @app.command()
-@_guard
+@_command
 def revert(
     repo: Path = REPO_ARG,
     force: bool = typer.Option(False, "--force", "-f", help="Restore originals even over later edits (kept beside as *.dsfix-edited)."),
     main_script: Optional[Path] = MAIN_OPT,
     script: List[Path] = SCRIPT_OPT,
     as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
 ):
-    """Undo apply. Exit 0: restored or nothing to restore, 1: refused because files changed, 2: error."""
+    """Undo apply. Exit 0: restored or nothing to restore, 1: refused because files changed, 2: error
+    (also outside a checkout with no dsfix patch)."""
     from patcher.patch import flow
 
-    outcome = flow.revert(repo, force=force, main=main_script, scripts=script)
-    _finish(outcome, as_json)
+    return flow.revert(repo, force=force, main=main_script, scripts=script)
 
 
 def _steps(text: str) -> tuple:
@@ -220,7 +420,7 @@ def _steps(text: str) -> tuple:
 
 
 @app.command()
-@_guard
+@_command
 def verify(
     folder: Path = typer.Argument(..., help="A saved model folder (config.json plus safetensors weights), "
                                             "or a step-3 output folder holding actor/, critic/, actor_ema/."),
@@ -229,56 +429,62 @@ def verify(
     as_json: bool = JSON_OPT,
 ):
     """Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input."""
-    from patcher.checkpoint.verify import KIND_TEXT, checks_table, model_folders, verify_folder
+    from patcher.prereq import require
 
-    folders = model_folders(folder)
-    reports = []
-    for path in folders:
-        report = verify_folder(path, expect=expect, load=load)
-        reports.append(report)
-        err.print(checks_table(report.checks, title=f"dsfix verify {path}"))
-        verdict = "all checks hold" if report.ok else "verification FAILED"
-        err.print(f"{verdict}: {report.tensors} tensors, {KIND_TEXT[report.kind]}", markup=False)
-    ok = all(r.ok for r in reports)
-    if as_json:
-        if folders == [folder]:
-            sys.stdout.write(reports[0].to_json() + "\n")
-        else:
-            data = {"path": str(folder), "ok": ok, "folders": [r.to_dict() for r in reports]}
-            sys.stdout.write(json.dumps(data, indent=2) + "\n")
-    raise typer.Exit(0 if ok else 1)
+    require("verify")
+    from patcher.checkpoint.verify import verify_path
+
+    return verify_path(folder, expect=expect, load=load)
+
+
+class OutDType(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
 
 
 @app.command()
-@_guard
+@_command
 def convert(
     folder: Path = typer.Argument(..., help="A DeepSpeed-Chat output folder with pytorch_model.bin (or a sharded .bin "
-                                            "index) and config.json, or a step-3 folder holding actor/, critic/, actor_ema/."),
+                                            "index) and config.json, a step-3 folder holding actor/, critic/, actor_ema/, "
+                                            "or a DeepSpeed engine checkpoint (latest + global_stepN/, or global_stepN/)."),
     strategy: Strategy = typer.Option(
         Strategy.clone, help="clone: a tied alias is written as its own copy, restored when the .bin lacks it "
         "(311 tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out (310)."
     ),
     remove_bin: bool = typer.Option(False, "--remove-bin", help="Remove the .bin files once the safetensors are in place."),
     load: bool = typer.Option(True, help="Also load the written folder (from_pretrained; a critic into its module)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Engine checkpoint: the model folder whose config.json, "
+                                          "generation config and tokenizer go with the weights."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Engine checkpoint: the folder to write (new or empty)."),
+    tag: Optional[str] = typer.Option(None, "--tag", help="Engine checkpoint: the step folder to read (default: latest)."),
+    dtype: OutDType = typer.Option(OutDType.auto, help="Engine checkpoint: the weights' dtype (auto: config.json's)."),
     as_json: bool = JSON_OPT,
 ):
-    """Turn .bin weights into a verified safetensors folder. Exit 0: converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused pickle."""
-    from patcher.checkpoint.convert import convert as run_convert
-    from patcher.checkpoint.verify import KIND_TEXT, checks_table
+    """Turn .bin weights or a DeepSpeed engine checkpoint into a verified safetensors folder. Exit 0: converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused pickle."""
+    from patcher.prereq import require
 
-    report = run_convert(folder, strategy=strategy.value, remove_bin=remove_bin, load=load, console=err.console)
-    for result in report.folders:
-        if result.checks and (not result.ok or result.status == "converted"):
-            err.print(checks_table(result.checks, title=f"dsfix convert {result.path}"))
-        kind = f" [{KIND_TEXT[result.kind]}]" if result.kind else ""
-        err.print(result.summary() + kind, markup=False)
-    if as_json:
-        sys.stdout.write(report.to_json() + "\n")
-    raise typer.Exit(report.exit_code)
+    require("convert")
+    from patcher.checkpoint import engine
+
+    if engine.is_engine_checkpoint(folder):
+        if remove_bin:
+            raise DsfixError("--remove-bin is for .bin output folders; a DeepSpeed engine checkpoint is left as it is")
+        return engine.convert_engine(folder, config, output, tag=tag, dtype=dtype.value, strategy=strategy.value,
+                                     load=load, console=err.console)
+    given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag)) if v is not None]
+    if given or dtype is not OutDType.auto:
+        raise DsfixError(f"{', '.join(given) or '--dtype'} is for DeepSpeed engine checkpoints (latest + global_stepN/); "
+                         "this is not one: a .bin folder is converted in place", path=str(folder))
+    from patcher.checkpoint.convert import convert as run_convert
+
+    return run_convert(folder, strategy=strategy.value, remove_bin=remove_bin, load=load, console=err.console)
 
 
 @app.command()
-@_guard
+@_command
 def smoke(
     repo: Path = REPO_ARG,
     device: Device = typer.Option(Device.auto, help="auto: CUDA when available."),
@@ -292,59 +498,72 @@ def smoke(
     as_json: bool = JSON_OPT,
 ):
     """Run the checkout's save on a real Qwen3 model, then verify it. Exit 0: all checks hold, 1: a check failed, 2: error."""
+    from patcher.prereq import require
+
+    need_ds = f"--zero-stage {zero_stage}" if zero_stage > 0 else (f"--nproc {nproc}" if nproc > 1 else None)
+    require("smoke", deepspeed=need_ds, cuda=device is Device.cuda)  # before anything expensive
     from patcher.patch.locate import find_checkout
     from patcher.checkpoint.smoke import run_smoke
 
     checkout = find_checkout(repo)
     if expect is None and model is None and config is None:
         expect = 311  # the bundled Qwen3-0.6B config: 28 layers x 11 + 3
-    report = run_smoke(checkout, device=device.value, dtype=dtype.value, zero_stage=zero_stage, nproc=nproc,
-                       expect=expect, keep=keep, model_dir=model, config_path=config, console=err.console)
-    if as_json:
-        sys.stdout.write(report.to_json() + "\n")
-    raise typer.Exit(0 if report.ok else 1)
+    return run_smoke(checkout, device=device.value, dtype=dtype.value, zero_stage=zero_stage, nproc=nproc,
+                     expect=expect, keep=keep, model_dir=model, config_path=config, console=err.console)
 
 
 @app.command()
-@_guard
+@_command
 def demo(
     device: Device = typer.Option(Device.auto, help="Device for the smoke save."),
     keep: Optional[Path] = typer.Option(None, help="Keep the demo checkout here instead of a temporary folder."),
+    as_json: bool = JSON_OPT,
 ):
-    """Check, apply, smoke and revert on the bundled example checkout."""
+    """Check, apply, smoke and revert on the bundled example checkout. Exit 0: every step passed, 1: one
+    failed, 2: error (a missing requirement, say)."""
+    from patcher.prereq import require
+
+    require("demo", cuda=device is Device.cuda)  # before the patch path and torch are imported
     from patcher.demo import run_demo
 
-    raise typer.Exit(run_demo(err.console, device=device.value, keep=keep))
+    return run_demo(err.console, device=device.value, keep=keep, show_diff=not as_json)
+
+
+# ----------------------------------------------------------------------------- the entry point
+
+
+def _on_sigint(signum, frame):
+    """Ctrl-C stops the command; a press within a second of the one before is ignored, so that putting files
+    back (a commit's rollback, removing temporary folders) is not cut short by a second press."""
+    now = time.monotonic()
+    if _Run.interrupted_at is not None and now - _Run.interrupted_at < 1.0:
+        return
+    _Run.interrupted_at = now
+    raise KeyboardInterrupt
+
+
+def _verb_of(args: list) -> str | None:
+    return next((a for a in args if a in _RENDER), None)
 
 
 def main(argv=None) -> None:
-    """Console entry point: one line on stderr and a documented exit code for every error."""
+    """Console entry point: every outcome is one exit code, every error one line (docs/cli.md)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    end = args.index("--") if "--" in args else len(args)
+    debug, as_json = "--debug" in args[:end], "--json" in args[:end]
     try:
-        rc = app(args=argv, standalone_mode=False)
-        sys.exit(rc if isinstance(rc, int) else 0)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except click_exc.ClickException as e:
-        if _debug["on"]:
-            raise
-        if type(e).__name__ == "NoArgsIsHelpError":
-            err.print(e.format_message())
-            sys.exit(0)
-        err.print(f"dsfix: error: {e.format_message()}")
-        sys.exit(ERROR)
-    except typer.Abort:
-        err.print("dsfix: interrupted")
-        sys.exit(130)
-    except DsfixError as e:
-        if _debug["on"]:
-            raise
-        err.print(f"dsfix: error: {e}")
-        sys.exit(e.code)
-    except KeyboardInterrupt:
-        err.print("dsfix: interrupted; every file is as it was or wholly patched")
-        sys.exit(130)
-    except Exception as e:  # an unexpected failure: still one line, unless --debug
-        if _debug["on"] or "--debug" in (argv or sys.argv):
-            raise
-        err.print(f"dsfix: internal error: {type(e).__name__}: {e} (run with --debug for a traceback)")
-        sys.exit(ERROR)
+        signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # pragma: no cover - not the main thread
+        pass
+    _Run.reported, _Run.interrupted_at = False, None
+    try:
+        rc = app(args=args, standalone_mode=False)
+    except click_exc.NoArgsIsHelpError as e:
+        err.print(e.format_message())
+        rc = 0
+    except (click_exc.ClickException, typer.Abort, KeyboardInterrupt, Exception) as e:
+        # outside a command: a usage error, or Ctrl-C while the options were parsed
+        rc = _fail(e, _verb_of(args[:end]), as_json, debug)
+    if rc == INTERRUPTED and not _Run.reported:  # typer turned a KeyboardInterrupt into exit 130 on its own
+        rc = _fail(KeyboardInterrupt(), _verb_of(args[:end]), as_json, debug)
+    sys.exit(rc if isinstance(rc, int) else 0)

@@ -6,20 +6,82 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from rich.table import Table
-
-from patcher.patch import flow
 from patcher.errors import DsfixError
+from patcher.patch import flow
+from patcher.report import Result, Verdict
 
 DEMO_CHECKOUT = "checkouts/package"
+STEPS = ("check", "apply", "smoke", "revert")
+NEXT_STEPS = """\
+next, on your own checkout (in the environment you train with; CHECKOUT is its DeepSpeed-Chat folder):
+  dsfix check CHECKOUT          the diff dsfix would make; nothing written
+  dsfix apply CHECKOUT          patch it (all files or none)
+  dsfix smoke CHECKOUT          run its save on a random Qwen3 and verify the folder
+  dsfix verify OUTPUT_DIR       after training: check the saved model folder
+  dsfix revert CHECKOUT         undo, byte for byte"""
+
+
+@dataclass(frozen=True)
+class DemoRow:
+    step: str
+    ok: bool
+    detail: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DemoResult(Result):
+    rows: tuple  # of DemoRow, in the order run
+    checkout: str | None = None  # the kept demo checkout (--keep), else None
+    verb = "demo"
+    warnings = ()
+
+    @property
+    def status(self) -> Verdict:
+        return Verdict.of([r.step for r in self.rows] == list(STEPS) and all(r.ok for r in self.rows))
+
+    @property
+    def exit_code(self) -> int:
+        return self.status.exit_code
+
+    @property
+    def message(self) -> str:
+        if self.status is Verdict.PASSED:
+            return "demo passed"
+        failed = [r.step for r in self.rows if not r.ok] or [s for s in STEPS if s not in {r.step for r in self.rows}]
+        return f"demo failed: {', '.join(failed)}"
+
+    def body(self) -> dict:
+        return {"status": self.status.value, "checkout": self.checkout,
+                "steps": [{"step": r.step, "ok": r.ok, "detail": r.detail, "seconds": round(r.seconds, 3)}
+                          for r in self.rows]}
+
+
+def print_demo(result: DemoResult, console) -> None:
+    """The steps' table, the verdict and what to run next, on ``console`` (stderr)."""
+    from rich.table import Table
+
+    table = Table(title="dsfix demo", title_justify="left")
+    for col in ("step", "result", "detail", "seconds"):
+        table.add_column(col)
+    for r in result.rows:
+        table.add_row(r.step, "[green]ok[/]" if r.ok else "[red]FAIL[/]", r.detail, f"{r.seconds:.1f}")
+    console.print(table)
+    if result.checkout:
+        console.print(f"the demo checkout is in {result.checkout}", markup=False)
+    passed = result.status is Verdict.PASSED
+    console.print("[bold green]demo passed[/]" if passed else f"[bold red]{result.message}[/]")
+    if passed:
+        console.print(NEXT_STEPS, markup=False, highlight=False)
 
 
 def demo_checkout_source() -> Path:
-    from patcher.checkpoint.smoke import fixture_path
+    from patcher.resources import resource_path
 
-    return fixture_path(f"{DEMO_CHECKOUT}/README.md").parent
+    return resource_path("fixtures", f"{DEMO_CHECKOUT}/README.md").parent
 
 
 def _snapshot(root: Path) -> dict:
@@ -57,26 +119,33 @@ def show_changes(console, co: Path, out) -> None:
                       markup=False)
 
 
-def run_demo(console, device: str = "auto", keep: Path | None = None) -> int:
-    from patcher.checkpoint.smoke import run_smoke
+def run_demo(console, device: str = "auto", keep: Path | None = None, show_diff: bool = True) -> DemoResult:
+    """check, apply, smoke and revert on a copy of the bundled checkout; what it needs is checked first
+    (the [smoke] extra, and CUDA for device "cuda"), before anything is copied or patched."""
+    from patcher.prereq import require
 
+    require("demo", cuda=device == "cuda")
+    from patcher.checkpoint.smoke import print_report, resolve_device, run_smoke
+
+    device = resolve_device(device)  # imports torch: a second or two, but before check and apply
     base = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="dsfix-demo-"))
     co = base / "DeepSpeed-Chat"
     if co.exists():
         raise DsfixError(f"{co} already exists; pick an empty --keep folder")
-    shutil.copytree(demo_checkout_source(), co)
-    original = _snapshot(co)
     rows = []
 
     def step(name, ok, detail, t0):
-        rows.append((name, ok, detail, time.perf_counter() - t0))
+        rows.append(DemoRow(name, ok, detail, time.perf_counter() - t0))
         return ok
 
     try:
+        shutil.copytree(demo_checkout_source(), co)
+        original = _snapshot(co)
         console.rule("[bold]1/4 dsfix check[/]: what dsfix would change")
         t0 = time.perf_counter()
         out = flow.check(co)
-        show_changes(console, co, out)
+        if show_diff:
+            show_changes(console, co, out)
         step("check", out.exit_code == 1, out.message, t0)
 
         console.rule("[bold]2/4 dsfix apply[/]")
@@ -91,6 +160,7 @@ def run_demo(console, device: str = "auto", keep: Path | None = None) -> int:
         t0 = time.perf_counter()
         report = run_smoke(co, device=device, dtype="bf16", zero_stage=0, nproc=1, expect=311, console=console,
                            train_steps=0)
+        print_report(report, console)
         step("smoke", report.ok, f"{report.tensors} tensors on {report.device}", t0)
 
         console.rule("[bold]4/4 dsfix revert[/]")
@@ -99,16 +169,6 @@ def run_demo(console, device: str = "auto", keep: Path | None = None) -> int:
         exact = _snapshot(co) == original
         step("revert", exact, out.message + ("; every byte as before" if exact else "; FILES DIFFER"), t0)
     finally:
-        table = Table(title="dsfix demo", title_justify="left")
-        for col in ("step", "result", "detail", "seconds"):
-            table.add_column(col)
-        for name, ok, detail, secs in rows:
-            table.add_row(name, "[green]ok[/]" if ok else "[red]FAIL[/]", detail, f"{secs:.1f}")
-        console.print(table)
-        if keep:
-            console.print(f"the demo checkout is in {co}", markup=False)
-        else:
+        if not keep:
             shutil.rmtree(base, ignore_errors=True)
-    ok = len(rows) == 4 and all(r[1] for r in rows)
-    console.print("[bold green]demo passed[/]" if ok else "[bold red]demo failed[/]")
-    return 0 if ok else 1
+    return DemoResult(tuple(rows), str(co) if keep else None)

@@ -1,3 +1,4 @@
+import ast
 import importlib.util
 import json
 import os
@@ -10,6 +11,36 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 TINY_QWEN3_HELPER = os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "tiny_qwen3.py")
+
+
+def _marked_slow(path) -> bool:
+    """Whether a test module says ``pytestmark = pytest.mark.slow`` at its top level (read, not imported)."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in stmt.targets):
+            values = stmt.value.elts if isinstance(stmt.value, (ast.List, ast.Tuple)) else [stmt.value]
+            return any(ast.unparse(v) == "pytest.mark.slow" for v in values)
+    return False
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A module marked slow as a whole is not even imported when ``-m`` deselects slow tests: collecting it
+    would import torch, transformers or DeepSpeed, seconds of CPU that the fast tier has no use for."""
+    markexpr = config.getoption("markexpr", "")
+    if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    if not _marked_slow(collection_path):
+        return None
+    try:
+        from _pytest.mark.expression import Expression
+
+        wanted = Expression.compile(markexpr).evaluate(lambda name, **kwargs: name == "slow")
+    except Exception:  # another pytest's expression API: collect as usual, the marks still deselect
+        return None
+    return None if wanted else True
 
 
 def _load_tiny_qwen3_helper():

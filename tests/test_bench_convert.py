@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the convert benchmark on a model
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the save benchmarks on models, ZeRO-3 ranks included
+
 pytest.importorskip("transformers")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,12 +47,12 @@ def test_bench_zero3_quick(tmp_path):
     assert "#### 2 ranks" in text and "dsfix bucketed / faster of upstream and DeepSpeed" in text
     (run,) = runs
     summary = run["summary"]
-    assert run["world"] == 2 and set(summary) == {"one", "bucketed", "dedupe", "one_parallel", "parallel",
-                                                  "upstream", "deepspeed", "plain", "gather"}
-    for method in ("one", "bucketed", "one_parallel", "parallel", "plain"):
+    assert run["world"] == 2 and set(summary) == {"one", "bucketed", "dedupe", "upstream", "deepspeed", "plain",
+                                                  "gather"}
+    for method in ("one", "bucketed", "plain"):
         assert summary[method]["tensors"] == 311, method
     assert summary["upstream"]["tensors"] == summary["dedupe"]["tensors"] == 310  # the tied lm_head dropped
     assert summary["dedupe"]["bytes_written"] < summary["bucketed"]["bytes_written"]
-    assert summary["parallel"]["files"] > 1 and summary["bucketed"]["files"] == 1
+    assert summary["bucketed"]["files"] == 1
     assert summary["bucketed"]["gathers"] <= summary["one"]["gathers"]
     assert summary["gather"]["bytes_written"] == 0

@@ -13,6 +13,9 @@ from smokekit import NARROW, narrow_model
 from patchkit import FIXTURES, cli, copy_fixture, run
 
 
+pytestmark = pytest.mark.slow  # torch models through the CLI, and the demo
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A folder written by the template's save on the narrow Qwen3 (311 tensors)."""
@@ -66,6 +69,8 @@ def test_demo_passes(tmp_path):
     p = run("demo", "--device", "cpu", "--keep", tmp_path / "demo", timeout=900)
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     assert b"demo passed" in p.stderr and b"311 tensors" in p.stderr
+    assert b"dsfix check CHECKOUT" in p.stderr and b"dsfix revert CHECKOUT" in p.stderr, "what to run next"
+    assert b"Loading weights" not in p.stderr and b"Warning" not in p.stderr
     # the newcomer sees main.py's diff in full on stdout, and a summary of the utils.py insertion
     assert p.stdout.startswith(b"diff --git a/training/step1_supervised_finetuning/main.py")
     assert b"dschat/utils/utils.py" not in p.stdout and b"+def _dsfix_" not in p.stdout

@@ -14,6 +14,7 @@ from patchkit import FIXTURES, cli, copy_fixture, git_apply, pyflakes_messages, 
 CHECKOUTS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and not (p / "FIXTURE.json").exists())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKOUTS)
 def test_full_cycle_in_process(tmp_path, name):
     co = copy_fixture(name, tmp_path / "a")
@@ -47,6 +48,7 @@ def test_full_cycle_in_process(tmp_path, name):
     assert cli("revert", co)[0] == 0  # nothing to revert
 
 
+@pytest.mark.slow
 def test_full_cycle_subprocess_from_inside_a_subfolder(tmp_path):
     """A real process, run from a folder deep inside a DeepSpeedExamples-shaped checkout."""
     def make(top):
@@ -78,6 +80,7 @@ def test_full_cycle_subprocess_from_inside_a_subfolder(tmp_path):
     assert snapshot(root) == before
 
 
+@pytest.mark.slow
 def test_stdout_carries_only_the_diff_and_stderr_the_messages(tmp_path):
     co = copy_fixture("package", tmp_path)
     p = run("check", co, cwd=tmp_path)
@@ -89,6 +92,7 @@ def test_stdout_carries_only_the_diff_and_stderr_the_messages(tmp_path):
     assert data["exit_code"] == 1 and data["verb"] == "check"
 
 
+@pytest.mark.slow
 def test_module_and_console_script_are_the_same_program(tmp_path):
     exe = shutil.which("dsfix")
     if exe is None:
@@ -98,15 +102,19 @@ def test_module_and_console_script_are_the_same_program(tmp_path):
     assert p.returncode == 1 and p.stdout == run("check", co).stdout
 
 
+@pytest.mark.slow
 def test_strategy_dedupe_and_switching_strategy_upgrades_in_place(tmp_path):
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
     assert cli("apply", co, "--strategy", "dedupe")[0] == 0
     utils = (co / "dschat/utils/utils.py").read_bytes()
     assert b'_DSFIX_STRATEGY = "dedupe"' in utils and b"strategy=dedupe" in utils
-    code, diff, _ = cli("check", co)  # default strategy is clone: one block, changed in place
+    assert cli("check", co)[0] == 0, "a plain check keeps the recorded strategy"
+    code, diff, err = cli("check", co, "--strategy", "clone")  # one block, changed in place
     assert code == 1 and b'-_DSFIX_STRATEGY = "dedupe"' in diff and b'+_DSFIX_STRATEGY = "clone"' in diff
-    assert cli("apply", co)[0] == 0
+    assert "strategy dedupe -> clone" in err and "added imports" not in err, err
+    assert cli("apply", co, "--strategy", "clone")[0] == 0
+    assert cli("check", co)[0] == 0, "the new strategy is recorded"
     utils = (co / "dschat/utils/utils.py").read_bytes()
     assert utils.count(b"def save_hf_format_safetensors(") == 1
     assert utils.count(b"from safetensors import safe_open") == 1
@@ -114,6 +122,7 @@ def test_strategy_dedupe_and_switching_strategy_upgrades_in_place(tmp_path):
     assert snapshot(co) == before
 
 
+@pytest.mark.slow
 def test_older_template_block_is_upgraded_and_revert_still_restores_the_original(tmp_path):
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
@@ -135,6 +144,67 @@ def test_older_template_block_is_upgraded_and_revert_still_restores_the_original
     assert snapshot(co) == before
 
 
+@pytest.mark.slow
+def test_the_block_inserted_into_upstreams_utils_is_at_most_320_lines(tmp_path):
+    """Whoever opens their utils.py reads dsfix's block: its opening comment, imports and code included."""
+    import difflib
+
+    co = copy_fixture("package", tmp_path)
+    utils = co / "dschat" / "utils" / "utils.py"
+    before = utils.read_text().splitlines()
+    assert cli("apply", co)[0] == 0
+    after = utils.read_text().splitlines()
+    added = [line for line in difflib.unified_diff(before, after, lineterm="", n=0)
+             if line.startswith("+") and not line.startswith("+++")]
+    assert not [line for line in difflib.unified_diff(before, after, lineterm="", n=0)
+                if line.startswith("-") and not line.startswith("---")]
+    assert 250 < len(added) <= 320, len(added)
+
+
+V2_TEMPLATE = FIXTURES.parent / "old_templates" / "save_safetensors_v2.py"  # the template as released before v3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, state", [("package", True), ("package", False), ("fork-keeps-lora", True)])
+def test_a_block_of_template_v2_is_upgraded_to_the_current_one(tmp_path, monkeypatch, name, state):
+    """A checkout patched by the previous release (template v2: numpy writes, keep_lora=True for a fork that
+    keeps LoRA) gets the current block from apply, with or without its state folder; revert still works."""
+    from patcher.patch import flow, signature
+    from patcher.patch.template import parse_template
+
+    co = copy_fixture(name, tmp_path)
+    before = snapshot(co)
+    text, generate = V2_TEMPLATE.read_text(encoding="utf-8"), signature.generate
+    with monkeypatch.context() as patch:  # what the previous release wrote: its template, its calls
+        patch.setattr(flow, "load_template", lambda strategy="clone": parse_template(text, strategy, V2_TEMPLATE))
+        patch.setattr(signature, "generate", lambda *a, **k: generate(*a, **k).replace(
+            "drop=lambda name: False", "keep_lora=True"))
+        assert cli("apply", co)[0] == 0
+    utils = co / "dschat" / "utils" / "utils.py"
+    old = utils.read_bytes()
+    assert b"template=v2" in old and b"_DSFIX_TEMPLATE_VERSION = 2\n" in old and b".numpy()" in old
+    assert (b"keep_lora=True" in old) is (name == "fork-keeps-lora")
+    if not state:
+        shutil.rmtree(co / ".dsfix")
+    code, diff, _ = cli("check", co)
+    assert code == 1 and b"-_DSFIX_TEMPLATE_VERSION = 2\n" in diff and b"+_DSFIX_TEMPLATE_VERSION = 3\n" in diff
+    code, out, err = cli("apply", co)
+    assert code == 0 and "upgraded dsfix's block from template v2" in (out.decode() + err)
+    new = utils.read_bytes()
+    assert b"template=v3" in new and new.count(b"def save_hf_format_safetensors(") == 1
+    assert b".numpy()" not in new and b"keep_lora" not in new and b"class _DsfixTensor(NamedTuple):" in new
+    assert b"import ctypes\n" in new and b"from typing import NamedTuple\n" in new
+    assert (b"drop=lambda name: False" in new) is (name == "fork-keeps-lora")
+    compile(new, str(utils), "exec")
+    assert cli("check", co)[0] == 0
+    assert cli("revert", co)[0] == 0
+    if state:  # the state folder of the first apply still holds the file as it was before dsfix
+        assert snapshot(co) == before
+    else:  # the v2 file was taken as the original
+        assert utils.read_bytes() == old
+
+
+@pytest.mark.slow
 def test_step2_needs_asking_and_brings_step3s_loader(tmp_path):
     co = copy_fixture("package", tmp_path)
     code, diff, _ = cli("check", co)
@@ -165,10 +235,11 @@ def test_main_py_forms_seen_in_forks(tmp_path):
     assert 'u.save_hf_format_safetensors(model, tokenizer, args, "best")' in main
     assert "save_zero_three_model_safetensors as save_z3,  # gathers under ZeRO-3" in main
     assert "save_z3(model, args.global_rank" in main
-    assert "    save_hf_format,\n    save_hf_format_safetensors,\n" in main  # still used as a value
-    assert '{"save": save_hf_format}' in main
+    assert "    save_hf_format_safetensors,\n" in main and "    save_hf_format,\n" not in main
+    assert '{"save": save_hf_format_safetensors}' in main  # a use as a value is rewritten too
 
 
+@pytest.mark.slow
 def test_article_hand_edit_is_replaced_and_restored(tmp_path):
     co = copy_fixture("article", tmp_path)
     before = snapshot(co)

@@ -44,6 +44,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_encodings_line_endings_and_indents_survive(tmp_path, variant):
     co = copy_fixture("package", tmp_path / "a")
@@ -82,11 +83,13 @@ def test_missing_path(tmp_path):
     assert "no such file or folder" in line
 
 
+@pytest.mark.slow
 def test_not_a_checkout(tmp_path):
     line = _one_line_error(run("apply", tmp_path), 2)
     assert "no DeepSpeed-Chat checkout" in line and "training/step1_supervised_finetuning/main.py" in line
 
 
+@pytest.mark.slow
 def test_unknown_layout(tmp_path):
     (tmp_path / "training/step1_supervised_finetuning").mkdir(parents=True)
     (tmp_path / MAIN).write_text("print('hi')\n")
@@ -94,6 +97,7 @@ def test_unknown_layout(tmp_path):
     assert "main.py: imports neither save_hf_format nor a module that defines it" in line
 
 
+@pytest.mark.slow
 def test_target_that_does_not_parse_names_file_and_line(tmp_path):
     co = copy_fixture("package", tmp_path)
     data = (co / UTILS).read_bytes().replace(b"def is_rank_0():", b"def is_rank_0(:")
@@ -143,9 +147,13 @@ def test_symlink_leading_outside_is_refused(tmp_path):
     assert outside.read_bytes() == before
 
 
-def test_debug_shows_a_traceback(tmp_path):
-    p = run("--debug", "check", tmp_path / "nope")
-    assert p.returncode != 0 and b"Traceback" in p.stderr
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_a_traceback_and_keeps_the_exit_code(tmp_path, where):
+    args = ["check", tmp_path / "nope"]
+    p = run(*(["--debug", *args] if where == "before" else [*args, "--debug"]))
+    assert p.returncode == 2 and b"Traceback" in p.stderr
+    assert p.stderr.decode().rstrip().splitlines()[-1].endswith("nope: no such file or folder; pass a DeepSpeed-Chat "
+                                                                 "checkout or a folder inside it")
 
 
 # ----------------------------------------------------------------------------- faults while writing
@@ -191,7 +199,7 @@ def test_state_folder_that_cannot_be_written(tmp_path, monkeypatch):
 
 
 def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkeypatch):
-    """apply --strategy dedupe, then an apply (clone) whose write of utils.py fails: nothing changes, the
+    """apply --strategy dedupe, then an apply --strategy clone whose write of utils.py fails: nothing changes, the
     state folder included, and revert still restores the original."""
     from patcher.patch import state
 
@@ -207,7 +215,7 @@ def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkey
         return real(src, dst)
 
     monkeypatch.setattr(state.os, "replace", failing)
-    code, _, err = cli("apply", co)
+    code, _, err = cli("apply", co, "--strategy", "clone")
     assert code == 2 and "No space left on device" in err
     assert snapshot(co) == before, "targets and state folder as they were"
     monkeypatch.setattr(state.os, "replace", real)
@@ -249,6 +257,7 @@ KILLER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["utils.py", "main.py", ".dsfix"])
 def test_killed_mid_apply_each_file_is_wholly_old_or_new_and_apply_recovers(tmp_path, kill_at):
     co = copy_fixture("package", tmp_path / "co")
@@ -281,6 +290,7 @@ def test_killed_mid_apply_each_file_is_wholly_old_or_new_and_apply_recovers(tmp_
 # ----------------------------------------------------------------------------- the lock
 
 
+@pytest.mark.slow
 def test_a_held_lock_makes_the_second_run_fail_cleanly(tmp_path):
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
@@ -296,6 +306,7 @@ def test_a_held_lock_makes_the_second_run_fail_cleanly(tmp_path):
     assert snapshot(co) == before
 
 
+@pytest.mark.slow
 def test_concurrent_applies_never_duplicate_or_break(tmp_path):
     co = copy_fixture("package", tmp_path / "co")
     ref = copy_fixture("package", tmp_path / "ref")
@@ -328,6 +339,7 @@ def test_revert_keeps_an_edit_made_after_apply(tmp_path):
     assert not (co / ".dsfix").exists()
 
 
+@pytest.mark.slow
 def test_revert_keeps_an_edit_on_a_line_dsfix_changed(tmp_path):
     co = copy_fixture("package", tmp_path)
     original = snapshot(co)
@@ -343,6 +355,7 @@ def test_revert_keeps_an_edit_on_a_line_dsfix_changed(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_revert_refuses_when_dsfix_code_was_edited_and_force_keeps_a_copy(tmp_path):
     co = copy_fixture("package", tmp_path)
     original = snapshot(co)
@@ -367,6 +380,7 @@ def test_revert_with_nothing_on_record_changes_nothing(tmp_path):
     assert snapshot(co) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["package", "legacy", "fork-forms"])
 def test_revert_without_state_folder_is_structural_and_exact(tmp_path, name):
     co = copy_fixture(name, tmp_path)
@@ -378,6 +392,7 @@ def test_revert_without_state_folder_is_structural_and_exact(tmp_path, name):
     assert snapshot(co) == before
 
 
+@pytest.mark.slow
 def test_revert_without_state_keeps_user_edits(tmp_path):
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
@@ -392,6 +407,7 @@ def _edit_dsfix_code(co):
     (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b'_DSFIX_STRATEGY = "clone"', b'_DSFIX_STRATEGY = "x"'))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture, edit, reason", [
     ("package", _edit_dsfix_code, b"edited"),  # dsfix's own code edited: nothing to compare it with
     ("article", None, b"hand-written"),  # the hand edit dsfix replaced lived only in the state folder
@@ -408,6 +424,7 @@ def test_revert_without_state_refuses_what_it_cannot_undo_safely(tmp_path, fixtu
     assert snapshot(co) == before
 
 
+@pytest.mark.slow
 def test_damaged_state_folder_is_reported(tmp_path):
     co = copy_fixture("package", tmp_path)
     assert cli("apply", co)[0] == 0
@@ -416,6 +433,7 @@ def test_damaged_state_folder_is_reported(tmp_path):
     assert "state folder is damaged" in line
 
 
+@pytest.mark.slow
 def test_patch_path_never_imports_torch(tmp_path):
     co = copy_fixture("package", tmp_path)
     code = (

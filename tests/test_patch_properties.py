@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import libcst as cst
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,8 @@ from patcher.patch import signature, transforms
 from patcher.errors import DsfixError
 from patcher.patch.plan import Target
 from patcher.patch.template import load_template, parse_template
+
+pytestmark = pytest.mark.slow  # hundreds of generated files patched and reverted
 
 MOD = "dschat.utils.utils"
 # DSFIX_FUZZ_SCALE=10 runs ten times as many examples (the CI default keeps the suite quick).

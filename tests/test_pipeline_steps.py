@@ -22,6 +22,7 @@ LOADER = {"package": "dschat/utils/model/model_utils.py", "legacy": "training/ut
 STEPS = {"package": "1,2,3", "legacy": "1,2"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["package", "legacy"])
 def test_steps_full_cycle_with_the_loader(tmp_path, name):
     co, twin = copy_fixture(name, tmp_path / "a"), copy_fixture(name, tmp_path / "b")
@@ -48,6 +49,7 @@ def test_steps_full_cycle_with_the_loader(tmp_path, name):
     assert snapshot(co) == before, "structural revert of the loader too"
 
 
+@pytest.mark.slow
 def test_step3_saves_with_keywords_and_per_model_stages(tmp_path):
     co = copy_fixture("package", tmp_path)
     assert cli("apply", co, "--steps", "1,2,3")[0] == 0
@@ -94,6 +96,7 @@ def _state(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_step2_save_is_read_by_the_patched_step3_loader(patched, base_model, tmp_path, tiny_qwen3_tokenizer):
     import torch
 
@@ -115,6 +118,7 @@ def test_step2_save_is_read_by_the_patched_step3_loader(patched, base_model, tmp
     assert torch.equal(loaded(ids), critic(ids))
 
 
+@pytest.mark.slow
 def test_an_old_bin_step2_output_still_loads_without_running_code(patched, base_model, tmp_path,
                                                                   tiny_qwen3_tokenizer):
     import torch
@@ -142,6 +146,7 @@ def test_an_old_bin_step2_output_still_loads_without_running_code(patched, base_
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.slow
 def test_the_unpatched_loader_is_what_made_step2_safetensors_a_trap(tmp_path, base_model, tiny_qwen3_tokenizer):
     """Before dsfix: upstream-shaped create_critic_model asserts that pytorch_model.bin exists."""
     co = copy_fixture("package", tmp_path / "plain")

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # torch models saved and reloaded, ZeRO-3 ranks
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from smokekit import NARROW, TEMPLATE, broken_code, make_checkout, narrow_model, quiet_console  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patcher.checkpoint.smoke import run_smoke  # noqa: E402
+from patcher.checkpoint.smoke import print_report, run_smoke  # noqa: E402
 from patcher.checkpoint.smoke_worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
 
 needs_template = pytest.mark.skipif(not TEMPLATE.is_file(), reason="templates/save_safetensors.py not written yet")
@@ -56,8 +58,11 @@ def test_passes_in_process_and_keeps_stdout_clean(good_checkout, capfd):
     assert "[dsfix] verified 311 tensors" in report.save_output
     assert report.peak_rss_mb["this process"] > 0 and report.cuda_peak_mb is None
     assert {"load", "build", "train", "reference", "save", "verify", "reload"} <= set(report.timings)
+    assert "ranks" not in report.timings, "one rank in this process: no launch to time"
+    assert not report.warnings and "failed" not in report.check("functions").detail
+    print_report(report, console)
     text = console.file.getvalue()
-    assert "smoke passed" in text and "logits" in text
+    assert "smoke passed" in text and "logits" in text and "timings: load " in text
     # the checkout's modules are not left imported, and no bytecode was written into it
     assert "dschat" not in sys.modules and "dschat.utils.utils" not in sys.modules
     assert not list(good_checkout.rglob("__pycache__"))
@@ -143,6 +148,11 @@ def test_ast_fallback_when_the_utils_import_fails(tmp_path):
     assert report.load_method == "ast"
     assert "ModuleNotFoundError: No module named 'dsfix_test_missing_module'" in report.load_detail
     assert "skipped imports" in report.load_detail
+    # the row passed: it says how the functions were found, and the why is one warning, said once
+    functions = report.check("functions")
+    assert functions.ok and "with ast" in functions.detail and "ModuleNotFoundError" not in functions.detail
+    assert len(report.warnings) == 1 and "dsfix_test_missing_module" in report.warnings[0]
+    assert report.to_dict()["warnings"] == report.warnings
 
 
 def test_ast_extraction_runs_only_imports_and_dsfix_definitions(tmp_path):

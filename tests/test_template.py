@@ -18,6 +18,8 @@ from patcher.checkpoint.verify import dtype_kwarg
 from smokekit import same_attention
 from templates import save_safetensors as T
 
+pytestmark = pytest.mark.slow  # torch models saved and reloaded
+
 TEMPLATE_PATH = os.path.abspath(T.__file__)
 QWEN3_KEYS = 311
 TIED = ("lm_head.weight", "model.embed_tokens.weight")
@@ -68,27 +70,34 @@ class _Holder(torch.nn.Module):
 
 def test_template_follows_the_structural_rules():
     source = open(TEMPLATE_PATH, encoding="utf-8").read()
-    tree = ast.parse(source, feature_version=(3, 8))
+    tree = ast.parse(source, feature_version=(3, 9))  # runs where the user trains: Python 3.9 and later
     public, constants = [], {}
     for i, node in enumerate(tree.body):
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and i == 0:
             continue  # docstring
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-            assert all(n in ("os", "json", "torch", "sys") for n in names), names
+            assert all(n in ("ctypes", "os", "json", "torch") for n in names), names  # numpy never
         elif isinstance(node, ast.ImportFrom):
-            assert node.module == "safetensors" and [a.name for a in node.names] == ["safe_open"]
+            assert (node.module, [a.name for a in node.names]) in (("safetensors", ["safe_open"]),
+                                                                   ("typing", ["NamedTuple"]))
         elif isinstance(node, ast.Assign):
             for target in node.targets:
                 assert isinstance(target, ast.Name) and target.id.startswith("_DSFIX_"), ast.dump(target)
                 constants[target.id] = node.value
+        elif isinstance(node, ast.ClassDef):  # the records: named fields, no string-keyed dicts
+            assert node.name.startswith("_Dsfix") and [b.id for b in node.bases] == ["NamedTuple"], node.name
         elif isinstance(node, ast.FunctionDef):
+            assert node.end_lineno - node.lineno < 40, "%s is %d lines" % (node.name, node.end_lineno - node.lineno + 1)
             if not node.name.startswith("_dsfix_"):
                 public.append(node.name)
         else:
             raise AssertionError("top-level %s not allowed at line %d" % (type(node).__name__, node.lineno))
     assert sorted(public) == ["save_hf_format_safetensors", "save_zero_three_model_safetensors"]
-    assert T._DSFIX_TEMPLATE_VERSION == 2
+    assert T._DSFIX_TEMPLATE_VERSION == 3
+    assert "[dsfix] verification failed" not in source and "numpy" not in source.replace("no numpy", "")
+    floor = "Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.15+"
+    assert floor in " ".join(line.lstrip("# ") for line in source.splitlines() if line.startswith("#"))
     assert T._DSFIX_STRATEGY == "clone"
     assert "_DSFIX_STRATEGY" in constants and isinstance(constants["_DSFIX_STRATEGY"], ast.Constant)
     assert T._DSFIX_MAX_SHARD_SIZE >= 2 * 1024**3
@@ -265,10 +274,10 @@ def test_default_shard_size_keeps_full_qwen3_in_one_file():
                       max_position_embeddings=40960, rope_theta=1000000, rms_norm_eps=1e-6)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    entries, _ = T._dsfix_plan(model, "clone", gather=False)
-    _, files = T._dsfix_layout(entries, 0, T._DSFIX_MAX_SHARD_SIZE, 1)
-    assert len(entries) == QWEN3_KEYS and len(files) == 1 and files[0]["name"] == "model.safetensors"
-    assert 1.4e9 < files[0]["size"] < 1.6e9  # ~1.5 GB with the cloned lm_head
+    entries, _ = T._dsfix_plan(model, "clone", False, None)
+    files = T._dsfix_files(entries, T._DSFIX_MAX_SHARD_SIZE, "out")
+    assert len(entries) == QWEN3_KEYS and len(files) == 1 and files[0].name == "model.safetensors"
+    assert 1.4e9 < sum(t.nbytes for t in files[0].tensors) < 1.6e9  # ~1.5 GB with the cloned lm_head
 
 
 def test_lora_params_are_dropped(tmp_path, tiny_qwen3):
@@ -281,6 +290,24 @@ def test_lora_params_are_dropped(tmp_path, tiny_qwen3):
     keys = _file_keys(tmp_path / "model.safetensors")
     assert len(keys) == QWEN3_KEYS and not any("lora" in k for k in keys)
     assert _load(tmp_path).lm_head.weight is not None
+
+
+@pytest.mark.parametrize("drop, kept", [
+    (None, ["c.svd_u"]),  # upstream's rule: every name with "lora" in it
+    (lambda name: False, ["a.lora_right_weight", "b.lora_scaling", "c.svd_u"]),  # a fork that keeps LoRA
+    (lambda name: "svd" in name, ["a.lora_right_weight", "b.lora_scaling"]),  # a fork's own filter
+    (lambda name: "lora" in name or name.startswith("c."), []),
+])
+def test_drop_decides_which_names_are_left_out(tmp_path, drop, kept):
+    extra = {"a": {"lora_right_weight": torch.ones(2, 2)}, "b": {"lora_scaling": torch.ones(1)},
+             "c": {"svd_u": torch.zeros(3)}}
+    module = torch.nn.Module()
+    module.base = torch.nn.Linear(2, 2)
+    for name, buffers in extra.items():
+        module.add_module(name, _Holder(buffers))
+    T._dsfix_save_zero_three_model(module, str(tmp_path), global_rank=0, zero_stage=0, drop=drop)
+    keys = sorted(_file_keys(tmp_path / "model.safetensors"))
+    assert keys == sorted(["base.weight", "base.bias"] + kept)
 
 
 # --------------------------------------------------------------------------- sharing detection
@@ -304,8 +331,8 @@ def test_views_at_an_offset_are_detected(tmp_path, capsys):
     T.save_zero_three_model_safetensors(module, 0, str(tmp_path / "clone"), zero_stage=0)
     notes = [l for l in capsys.readouterr().out.splitlines() if "storage" in l]
     assert notes == [
-        "[dsfix] b overlaps a in storage (a different view): written as its own copy",
-        "[dsfix] c overlaps a in storage (a different view): written as its own copy",
+        "[dsfix] b shares storage with a (a different view): written as its own copy",
+        "[dsfix] c shares storage with a (a different view): written as its own copy",
         "[dsfix] d shares storage with b: written as its own copy",
     ]
     loaded = load_file(str(tmp_path / "clone" / "model.safetensors"))
@@ -347,7 +374,7 @@ def test_sharing_detection_property(tmp_path_factory, views, strategy):
     bases = [torch.randn(20), torch.randn(20), torch.randn(20)]
     tensors = {"t%d" % i: bases[b][s:s + n] for i, (b, s, n) in enumerate(views)}
     out = tmp_path_factory.mktemp("prop")
-    entries, notes = T._dsfix_plan(_Holder(tensors), strategy, gather=False)
+    entries, notes = T._dsfix_plan(_Holder(tensors), strategy, False, None)
     names = list(tensors)
     for i, name in enumerate(names):
         earlier = [m for m in names[:i] if _overlaps(tensors[m], tensors[name])]
@@ -355,7 +382,7 @@ def test_sharing_detection_property(tmp_path_factory, views, strategy):
         assert bool(flagged) == bool(earlier), (name, earlier, notes)
     T.save_zero_three_model_safetensors(_Holder(tensors), 0, str(out), zero_stage=0, strategy=strategy)
     loaded = load_file(str(out / "model.safetensors"))
-    assert set(loaded) == {e["name"] for e in entries}
+    assert set(loaded) == {e.name for e in entries}
     assert all(torch.equal(loaded[k], tensors[k]) for k in loaded)
     if strategy == "clone":
         assert set(loaded) == set(tensors)
@@ -400,6 +427,154 @@ def test_read_back_property(tmp_path_factory, specs):
         assert torch.equal(loaded[name], tensor) and torch.equal(loaded[name], reference[name]), name
 
 
+_FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
+
+
+def _mixed_module(specs):
+    """A module holding ``specs`` [(dotted name, dtype, shape)] as seeded buffers; (module, {name: tensor})."""
+    gen = torch.Generator().manual_seed(len(specs))
+    root, tensors = torch.nn.Module(), {}
+    for name, dtype, shape in specs:
+        values = torch.randn(shape, generator=gen) * 8
+        tensors[name] = values > 0 if dtype == torch.bool else values.to(dtype)
+        owner, *path = [root] + name.split(".")
+        for part in path[:-1]:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_buffer(path[-1], tensors[name])
+    assert set(root.state_dict()) == set(tensors)
+    return root, tensors
+
+
+_ALIGNMENT_CASES = {  # name: [(tensor name, dtype, shape)] in the module's state_dict order
+    # in state_dict order (the previous template's files) the int64 buffer starts at 18, the fp64 one at 78
+    "6-byte bf16 weight first": [("w", torch.bfloat16, (3,)), ("f32", torch.float32, (3,)), ("i64", torch.int64, (7,)),
+                                 ("f16", torch.float16, (2,)), ("f64", torch.float64, (5,))],
+    "one byte first": [("a.u8", torch.uint8, (3,)), ("b.f64", torch.float64, (2, 3)), ("c.bool", torch.bool, (5,)),
+                       ("d.i32", torch.int32, (3,))],
+    "bf16 model, fp32 norm, int64 ids": [("layer.weight", torch.bfloat16, (5, 3)), ("norm.weight", torch.float32, (3,)),
+                                         ("position_ids", torch.int64, (1, 9)), ("layer.bias", torch.bfloat16, (5,))],
+    "same sizes, other dtypes": [("z.f16", torch.float16, (3,)), ("a.bf16", torch.bfloat16, (3,)),
+                                 ("m.i64", torch.int64, (1,)), ("b.f64", torch.float64, (1,)),
+                                 ("k.f32", torch.float32, (1,)), ("c.i32", torch.int32, (3,))],
+    "empty tensors between": [("e.f64", torch.float64, (0,)), ("x.bf16", torch.bfloat16, (1,)),
+                              ("y.i64", torch.int64, (2,)), ("e2.f32", torch.float32, (0, 4))],
+    "every dtype": [("t%02d" % i, d, (2 * i + 1,)) for i, d in enumerate(
+        [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+         torch.float32, torch.float64] + _FP8)],
+}
+
+
+@pytest.mark.parametrize("case", list(_ALIGNMENT_CASES))
+def test_mixed_dtype_files_are_aligned_like_save_file(tmp_path, case):
+    import mmap
+
+    module, tensors = _mixed_module(_ALIGNMENT_CASES[case])
+    T.save_zero_three_model_safetensors(module, 0, str(tmp_path), zero_stage=0)
+    save_file(tensors, str(tmp_path / "ref.safetensors"))
+    path = tmp_path / "model.safetensors"
+    ours, ref = _header(path), _header(tmp_path / "ref.safetensors")
+    start = 8 + int.from_bytes(open(path, "rb").read(8), "little")
+    assert start % 8 == 0
+    for name, tensor in tensors.items():
+        assert ours[name]["data_offsets"][0] % tensor.element_size() == 0, (name, ours[name])
+        assert (ours[name]["dtype"], ours[name]["shape"]) == (ref[name]["dtype"], ref[name]["shape"])
+    end = max(v["data_offsets"][1] for k, v in ours.items() if k != "__metadata__")
+    assert end == max(v["data_offsets"][1] for k, v in ref.items() if k != "__metadata__") == os.path.getsize(path) - start
+    # safetensors orders by dtype, then by name (the same rule since 0.4.3), and so does the template: every
+    # offset is the one save_file gives the same tensors
+    assert {k: ours[k]["data_offsets"] for k in tensors} == {k: ref[k]["data_offsets"] for k in tensors}
+    with open(path, "r+b") as handle:  # every tensor viewed in place, without a copy
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        for name, tensor in tensors.items():
+            if tensor.numel():
+                view = torch.frombuffer(mapped, dtype=tensor.dtype, count=tensor.numel(),
+                                        offset=start + ours[name]["data_offsets"][0]).view(tensor.shape)
+                assert view.data_ptr() % tensor.element_size() == 0
+                assert torch.equal(view.view(torch.uint8), tensor.view(torch.uint8)), name
+                del view
+        mapped.close()
+    loaded = load_file(str(path))
+    assert all(torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
+
+
+@pytest.mark.slow
+def test_saves_where_numpy_is_unusable(tmp_path):
+    # torch wheels before 2.3 cannot use numpy 2: .numpy() raises "Numpy is not available". Here numpy
+    # cannot be imported at all, so torch runs without it and .numpy() raises the same way.
+    script = textwrap.dedent("""
+        import importlib.util, sys
+        sys.modules["numpy"] = None
+        import torch
+        try:
+            torch.zeros(1).numpy()
+            raise SystemExit("numpy is still usable")
+        except (RuntimeError, ImportError, TypeError):
+            pass
+        spec = importlib.util.spec_from_file_location("utils_under_test", sys.argv[1])
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        gen = torch.Generator().manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Embedding(10, 3), torch.nn.Linear(3, 10, bias=False)).to(torch.bfloat16)
+        net[1].weight = net[0].weight
+        net.register_buffer("ids", torch.arange(7))
+        net.register_buffer("scale", torch.randn(3, generator=gen).double())
+        net.register_buffer("mask", torch.rand(5, generator=gen) > 0.5)
+        net.register_buffer("fp16_t", torch.randn(2, 3, generator=gen).half().t())  # not contiguous
+        for name in ("float8_e4m3fn", "float8_e5m2"):
+            if hasattr(torch, name):
+                net.register_buffer(name, torch.randn(4, generator=gen).to(getattr(torch, name)))
+        mod.save_zero_three_model_safetensors(net, 0, sys.argv[2], zero_stage=0)
+        torch.save({k: v.contiguous() for k, v in net.state_dict().items()}, sys.argv[2] + "/expected.pt")
+        assert sys.modules.get("numpy") is None
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, TEMPLATE_PATH, str(tmp_path)], capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "verified 8 tensors" in proc.stdout or "verified 6 tensors" in proc.stdout, proc.stdout
+    expected = torch.load(str(tmp_path / "expected.pt"))
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    assert set(loaded) == set(expected)
+    for name, value in expected.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name].view(torch.uint8),
+                                                                 value.view(torch.uint8)), name
+
+
+def _v2_template():
+    path = os.path.join(os.path.dirname(os.path.dirname(TEMPLATE_PATH)), "fixtures", "old_templates",
+                        "save_safetensors_v2.py")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dsfix_template_v2", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._DSFIX_TEMPLATE_VERSION == 2
+    return module
+
+
+@pytest.mark.slow
+def test_output_of_the_previous_template_still_loads_and_verifies(tmp_path, tiny_qwen3, tiny_qwen3_tokenizer):
+    from patcher.checkpoint.verify import verify_folder
+
+    old = _v2_template()
+    module, tensors = _mixed_module(_ALIGNMENT_CASES["6-byte bf16 weight first"])
+    old.save_zero_three_model_safetensors(module, 0, str(tmp_path / "mixed"), zero_stage=0)
+    header = _header(tmp_path / "mixed" / "model.safetensors")
+    assert header["i64"]["data_offsets"][0] == 18 and header["f64"]["data_offsets"][0] == 78  # unaligned
+    loaded = load_file(str(tmp_path / "mixed" / "model.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+    old.save_hf_format_safetensors(tiny_qwen3, tiny_qwen3_tokenizer, _args(tmp_path / "qwen3"))
+    report = verify_folder(tmp_path / "qwen3", expect=QWEN3_KEYS)
+    assert report.ok, report.checks
+    T.save_hf_format_safetensors(tiny_qwen3, tiny_qwen3_tokenizer, _args(tmp_path / "qwen3"))  # over it
+    assert verify_folder(tmp_path / "qwen3", expect=QWEN3_KEYS).ok
+    loaded = load_file(str(tmp_path / "qwen3" / "model.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in tiny_qwen3.state_dict().items())
+
+
 def test_no_copy_of_the_model_in_memory(tmp_path):
     # 96 MiB of weights, 64 MiB of them tied: saving with clone must not grow peak RSS by a copy.
     script = textwrap.dedent("""
@@ -426,9 +601,8 @@ def test_no_copy_of_the_model_in_memory(tmp_path):
 
 
 def test_dtype_names(tmp_path):
-    assert [T._DSFIX_DTYPES[str(d).split(".")[-1]] for d in (torch.bfloat16, torch.float16, torch.float32,
-                                                             torch.int64, torch.bool)] == \
-        ["BF16", "F16", "F32", "I64", "BOOL"]
+    assert [T._DSFIX_DTYPES[d] for d in (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool,
+                                         torch.float8_e4m3fn)] == ["BF16", "F16", "F32", "I64", "BOOL", "F8_E4M3"]
     with pytest.raises(ValueError, match="safetensors cannot store"):
         T.save_zero_three_model_safetensors(_Holder({"c": torch.zeros(2, dtype=torch.complex128)}), 0,
                                             str(tmp_path))
@@ -501,22 +675,22 @@ def test_failure_leaves_no_final_or_temp_file(tmp_path, tiny_qwen3, monkeypatch,
 def test_collective_write_error_still_visits_every_entry(tmp_path, tiny_qwen3, monkeypatch):
     # Under ZeRO-3 every bucket is a gather that all ranks must enter: an error on the
     # writer is deferred until the last bucket, then returned, and the caller removes the files.
-    entries, _ = T._dsfix_plan(tiny_qwen3, "clone", gather=False)
-    buckets, files = T._dsfix_layout(entries, 20_000, 500_000, 1)
-    for f in files:
-        f["tmp"] = str(tmp_path / (".%s.1%s" % (f["name"], T._DSFIX_TMP_SUFFIX)))
+    entries, _ = T._dsfix_plan(tiny_qwen3, "clone", False, None)
+    buckets = T._dsfix_buckets(entries, 20_000 / 1024**2)
+    files = T._dsfix_files(entries, 500_000, str(tmp_path))
     visited = []
 
     def gather(bucket, then):
-        visited.extend(e["name"] for e in bucket)
+        visited.extend(e.name for e in bucket)
         then()
 
+    monkeypatch.setattr(T, "_dsfix_gather", gather)
     monkeypatch.setattr(T, "_dsfix_write_tensor", _fail_on_call("_dsfix_write_tensor", lambda n, a: n == 7))
-    error = T._dsfix_stream(files, buckets, 0, gather)
+    error = T._dsfix_stream(files, buckets)
     assert isinstance(error, OSError) and "simulated" in str(error)
     assert len(visited) == QWEN3_KEYS and 1 < len(buckets) < QWEN3_KEYS
-    assert visited == [e["name"] for e in entries]
-    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(f["tmp"]) for f in files)  # closed, not renamed
+    assert visited == [e.name for e in entries]
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(f.tmp) for f in files)  # not renamed
 
 
 def test_collective_write_error_leaves_no_file(tmp_path, tiny_qwen3, monkeypatch):
@@ -533,21 +707,17 @@ def test_collective_write_error_leaves_no_file(tmp_path, tiny_qwen3, monkeypatch
     assert os.listdir(tmp_path) == []
 
 
-def test_parallel_layout_spreads_every_bucket_over_the_ranks(tiny_qwen3):
-    entries, _ = T._dsfix_plan(tiny_qwen3, "clone", gather=False)
-    buckets, files = T._dsfix_layout(entries, 300_000, 200_000, 4)
-    assert [e["name"] for b in buckets for e in b] == [e["name"] for e in entries]
-    assert sorted(e["name"] for f in files for e in f["entries"]) == sorted(e["name"] for e in entries)
-    assert all(files[e["file"]] is f for f in files for e in f["entries"])
-    assert {f["rank"] for f in files} == {0, 1, 2, 3}
-    assert all(f["size"] <= 200_000 or len(f["entries"]) == 1 for f in files)
-    assert len(files) == len({f["name"] for f in files}) and files[-1]["name"].endswith("-of-%05d.safetensors"
-                                                                                         % len(files))
-    for bucket in buckets:  # each bucket's writes are spread: no rank waits on another's whole bucket
-        assert len({files[e["file"]]["rank"] for e in bucket}) == min(4, len(bucket))
-    # A model that fits in one file is written by rank 0 alone, whatever the number of ranks.
-    _, files = T._dsfix_layout(entries, 300_000, T._DSFIX_MAX_SHARD_SIZE, 4)
-    assert [(f["rank"], f["name"]) for f in files] == [(0, "model.safetensors")]
+def test_buckets_and_files_follow_state_dict_order(tiny_qwen3):
+    entries, _ = T._dsfix_plan(tiny_qwen3, "clone", False, None)
+    buckets = T._dsfix_buckets(entries, 300_000 / 1024**2)
+    files = T._dsfix_files(entries, 200_000, "out")
+    assert [e.name for b in buckets for e in b] == [e.name for e in entries]
+    assert [e.name for f in files for e in f.tensors] == [e.name for e in entries]  # runs, in order
+    assert all(sum(t.nbytes for t in f.tensors) <= 200_000 or len(f.tensors) == 1 for f in files)
+    assert [f.name for f in files] == ["model-%05d-of-%05d.safetensors" % (i + 1, len(files)) for i in range(len(files))]
+    assert [len(b) for b in T._dsfix_buckets(entries, 0)] == [1] * len(entries)  # 0: one at a time
+    assert len(T._dsfix_buckets(entries, None)) == 1  # the default, 256 MiB, holds the narrow model
+    assert [f.name for f in T._dsfix_files(entries, T._DSFIX_MAX_SHARD_SIZE, "out")] == ["model.safetensors"]
 
 
 def test_failed_save_keeps_previous_good_file(tmp_path, tiny_qwen3, tiny_qwen3_helper, monkeypatch):
@@ -556,7 +726,7 @@ def test_failed_save_keeps_previous_good_file(tmp_path, tiny_qwen3, tiny_qwen3_h
     other = tiny_qwen3_helper.tiny_qwen3_model(seed=5)
     monkeypatch.setattr(T, "_dsfix_write_tensor",
                         _fail_on_call("_dsfix_write_tensor", lambda n, a: n == 200))
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(RuntimeError, match="dsfix: writing the weights to .* failed: simulated"):
         T.save_zero_three_model_safetensors(other, 0, str(tmp_path))
     assert (tmp_path / "model.safetensors").read_bytes() == before
     assert _leftovers(tmp_path) == []
@@ -600,32 +770,41 @@ def test_stale_weight_files_are_removed(tmp_path, tiny_qwen3, capsys):
 # --------------------------------------------------------------------------- verification and ZeRO-3 guards
 
 
-def _expected(model):
-    entries, _ = T._dsfix_plan(model, "clone", gather=False)
-    return {e["name"]: (e["real_shape"], e["st_dtype"]) for e in entries}
+def _written(model, folder, limit=T._DSFIX_MAX_SHARD_SIZE):
+    """The files of ``model`` written under their temporary names in ``folder``, not yet checked."""
+    entries, _ = T._dsfix_plan(model, "clone", False, None)
+    files = T._dsfix_files(entries, limit, str(folder))
+    assert T._dsfix_stream(files, T._dsfix_buckets(entries, None)) is None
+    return entries, files
 
 
-def test_verification_raises_on_mismatch(tmp_path, tiny_qwen3, tiny_qwen3_helper):
-    T.save_hf_format_safetensors(tiny_qwen3, None, _args(tmp_path))
-    saved = [(str(tmp_path / "model.safetensors"), "model.safetensors")]
-    assert T._dsfix_verify(saved, _expected(tiny_qwen3)) == QWEN3_KEYS
+@pytest.mark.parametrize("damage", ["shape", "dtype", "name", "truncated", None])
+def test_verification_reads_every_file_back_before_any_rename(tmp_path, tiny_qwen3, damage):
+    from safetensors import SafetensorError
 
-    wider = tiny_qwen3_helper.tiny_qwen3_model(vocab_size=640)
-    with pytest.raises(RuntimeError, match=r"model.embed_tokens.weight has shape \[512, 64\].*\[640, 64\]"):
-        T._dsfix_verify(saved, _expected(wider))
-
-    fewer = tiny_qwen3_helper.tiny_qwen3_model(num_hidden_layers=27)
-    with pytest.raises(RuntimeError, match="unexpected 11 tensor"):
-        T._dsfix_verify(saved, _expected(fewer))
-
-    half = tiny_qwen3_helper.tiny_qwen3_model(dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="is F32 in model.safetensors but the model holds F16"):
-        T._dsfix_verify(saved, _expected(half))
-
-    with open(saved[0][0], "r+b") as handle:  # a torn file: safetensors refuses it
-        handle.truncate(os.path.getsize(saved[0][0]) - 8)
-    with pytest.raises(Exception):
-        T._dsfix_verify(saved, _expected(tiny_qwen3))
+    entries, files = _written(tiny_qwen3, tmp_path, limit=400_000)
+    victim, end = files[-1].tmp, len(files[-1].header)
+    data = open(victim, "rb").read()
+    changes = {"shape": (b'"shape":[64]', b'"shape":[32]'), "dtype": (b'"F32"', b'"I32"'),
+               "name": (b'"model.', b'"modex.')}
+    if damage in changes:
+        old, new = changes[damage]
+        assert old in data[:end]
+        data = data[:end].replace(old, new, 1) + data[end:]
+    elif damage == "truncated":
+        data = data[:-8]
+    open(victim, "wb").write(data)
+    if damage is None:
+        T._dsfix_publish(files, str(tmp_path), entries, [])
+        assert sum(len(_file_keys(tmp_path / f.name)) for f in files) == QWEN3_KEYS
+        return
+    if damage in ("shape", "truncated"):  # safetensors refuses a file whose header does not fit its data
+        with pytest.raises(SafetensorError):
+            T._dsfix_publish(files, str(tmp_path), entries, [])
+    else:  # safetensors opens it, but the header on disk is not the one written
+        with pytest.raises(RuntimeError, match="dsfix: verification failed: .* does not hold the header written"):
+            T._dsfix_publish(files, str(tmp_path), entries, [])
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]  # nothing renamed
 
 
 def _fake_partition(model):
@@ -665,16 +844,12 @@ class _TokenizerWithoutSavePretrained:
     def __init__(self):
         self.saved = []
 
-    def save_pretrained(self, out_dir):
-        raise NotImplementedError("no save_pretrained")
-
     def save_vocabulary(self, out_dir):
         self.saved.append(out_dir)
         return ()
 
 
-def test_tokenizer_falls_back_to_save_vocabulary(tmp_path, tiny_qwen3, capsys):
+def test_tokenizer_without_save_pretrained_uses_save_vocabulary(tmp_path, tiny_qwen3):
     tok = _TokenizerWithoutSavePretrained()
     T.save_hf_format_safetensors(tiny_qwen3, tok, _args(tmp_path))
     assert tok.saved == [str(tmp_path) + os.sep] or tok.saved == [str(tmp_path)]
-    assert "using save_vocabulary" in capsys.readouterr().out

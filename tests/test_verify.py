@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # torch models written and reloaded
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

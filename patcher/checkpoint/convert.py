@@ -25,6 +25,7 @@ partner (``save_file`` refuses shared storage), under ``clone``, where it must b
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
@@ -37,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from patcher.errors import DsfixError
-from patcher.checkpoint.verify import (
-    CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Checks, _examples, _Header, model_folders,
-)
+from patcher.checkpoint import checks as ck
+from patcher.checkpoint.checks import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Header, examples
+from patcher.checkpoint.verify import Checks, model_folders
+from patcher.errors import OK, PENDING, DsfixError, Written
+from patcher.report import Result
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -48,21 +50,26 @@ STAGING_PREFIX = ".dsfix-convert-"
 PROGRESS_MIN_BYTES = 64 * 2**20  # show a progress bar (on a terminal) from this much data on
 STRATEGIES = ("clone", "dedupe")
 
-# torch dtype name -> safetensors header code (what verify's checks read)
-_CODES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
-
-
 # --------------------------------------------------------------------------- results
+
+
+class ConvertStatus(str, enum.Enum):
+    """What happened to one folder, and to the whole run (the worst of its folders)."""
+
+    CONVERTED = "converted"
+    NOTHING = "nothing to convert"
+    FAILED = "failed"  # a check failed: nothing written
+    NOT_WRITTEN = "not written"  # this folder passed, another failed: nothing written
+
+    @property
+    def exit_code(self) -> int:
+        return OK if self in (ConvertStatus.CONVERTED, ConvertStatus.NOTHING) else PENDING
 
 
 @dataclass(frozen=True)
 class FolderResult(Checks):
     path: str
-    status: str  # "converted", "nothing to convert", "failed", "not written"
+    status: ConvertStatus
     ok: bool
     checks: tuple = ()
     kind: Optional[str] = None
@@ -79,7 +86,7 @@ class FolderResult(Checks):
 
     def to_dict(self) -> dict:
         return {
-            "path": self.path, "status": self.status, "ok": self.ok, "kind": self.kind,
+            "path": self.path, "status": self.status.value, "ok": self.ok, "kind": self.kind,
             "strategy": self.strategy, "source": list(self.source), "written": list(self.written),
             "tensors": self.tensors, "restored": list(self.restored), "dropped": list(self.dropped),
             "removed": list(self.removed), "bytes_written": self.bytes_written, "mmap": self.mmap,
@@ -87,49 +94,53 @@ class FolderResult(Checks):
         }
 
     def summary(self) -> str:
-        if self.status == "nothing to convert":
+        if self.status is ConvertStatus.NOTHING:
             return f"nothing to convert in {self.path}: {self.note}"
-        if self.status == "not written":
+        if self.status is ConvertStatus.NOT_WRITTEN:
             return f"not converted {self.path}: {self.note}"
-        if self.status == "failed":
+        if self.status is ConvertStatus.FAILED:
             return f"not converted {self.path}: a check failed; nothing written"
         how = self.strategy
         if self.restored:
-            how += f"; restored {_examples(self.restored)}"
+            how += f"; restored {examples(self.restored)}"
         if self.dropped:
-            how += f"; dropped tied alias {_examples(self.dropped)}"
-        tail = (f"removed {_examples(self.removed)}" if self.removed
-                else f"{_examples(self.source)} kept (--remove-bin removes it)")
-        return (f"converted {self.path}: {_examples(self.source)} -> {_examples(self.written)}, "
+            how += f"; dropped tied alias {examples(self.dropped)}"
+        tail = (f"removed {examples(self.removed)}" if self.removed
+                else f"{examples(self.source)} kept (--remove-bin removes it)")
+        return (f"converted {self.path}: {examples(self.source)} -> {examples(self.written)}, "
                 f"{self.tensors} tensors ({how}); {tail}")
 
 
 @dataclass(frozen=True)
-class ConvertReport:
+class ConvertReport(Result):
     path: str
     strategy: str
     folders: tuple  # of FolderResult
+    verb = "convert"
+    warnings = ()
 
     @property
     def ok(self) -> bool:
         return all(f.ok for f in self.folders)
 
     @property
-    def status(self) -> str:
+    def status(self) -> ConvertStatus:
         if not self.ok:
-            return "failed"
-        return "converted" if any(f.status == "converted" for f in self.folders) else "nothing to convert"
+            return ConvertStatus.FAILED
+        done = any(f.status is ConvertStatus.CONVERTED for f in self.folders)
+        return ConvertStatus.CONVERTED if done else ConvertStatus.NOTHING
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        return self.status.exit_code
 
-    def to_dict(self) -> dict:
-        return {"path": self.path, "ok": self.ok, "status": self.status, "strategy": self.strategy,
+    @property
+    def message(self) -> str:
+        return "; ".join(f.summary() for f in self.folders)
+
+    def body(self) -> dict:
+        return {"path": self.path, "ok": self.ok, "status": self.status.value, "strategy": self.strategy,
                 "folders": [f.to_dict() for f in self.folders]}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 @dataclass
@@ -162,7 +173,15 @@ class _Plan:
 def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bool = True, console=None,
             progress_min_bytes: int = PROGRESS_MIN_BYTES) -> ConvertReport:
     """Convert ``path`` (a model folder, or a step-3 folder of them). Raises DsfixError (code 2) on bad input;
-    a failed check gives ``ok=False``. Either every folder is converted or none is touched."""
+    a failed check gives ``ok=False``. Either every folder is converted or none is touched. Third-party
+    warnings and bars are off meanwhile (a refused pickle is one line of dsfix's, not torch's warning)."""
+    from patcher.checkpoint.quiet import quiet
+
+    with quiet():
+        return _convert(path, strategy, remove_bin, load, console, progress_min_bytes)
+
+
+def _convert(path, strategy: str, remove_bin: bool, load: bool, console, progress_min_bytes: int) -> ConvertReport:
     if strategy not in STRATEGIES:
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
     root = Path(path)
@@ -176,7 +195,7 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
     todo = []
     for plan in plans:
         if plan.already is not None:
-            results[plan.folder] = FolderResult(str(plan.folder), "nothing to convert", True, note=plan.already,
+            results[plan.folder] = FolderResult(str(plan.folder), ConvertStatus.NOTHING, True, note=plan.already,
                                                 strategy=strategy)
             continue
         _plan_tensors(plan, strategy)
@@ -187,7 +206,7 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
 
     staged: list = []  # (plan, staging folder, written names, checks)
     try:
-        if not any(r.status == "failed" for r in results.values()):
+        if not any(r.status is ConvertStatus.FAILED for r in results.values()):
             total = 2 * sum(p.nbytes for p in todo)
             with _progress(console, total, progress_min_bytes) as advance:
                 for plan in todo:
@@ -196,17 +215,18 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
                     if not all(c.ok for c in checks):
                         results[plan.folder] = _failed(plan, strategy, checks)
                         break
-        if any(r.status == "failed" for r in results.values()):
+        if any(r.status is ConvertStatus.FAILED for r in results.values()):
             for plan in todo:
                 results.setdefault(plan.folder, FolderResult(
-                    str(plan.folder), "not written", False, kind=plan.kind, strategy=strategy,
+                    str(plan.folder), ConvertStatus.NOT_WRITTEN, False, kind=plan.kind, strategy=strategy,
                     source=tuple(plan.source), note="another folder failed a check; nothing written"))
         else:
             _commit(staged)
+            Written.mark()  # an interrupt from here on leaves the safetensors files in place
             for plan, _, written, checks in staged:
                 removed = _remove_bins(plan) if remove_bin else []
                 results[plan.folder] = FolderResult(
-                    str(plan.folder), "converted", True, tuple(checks), kind=plan.kind, strategy=strategy,
+                    str(plan.folder), ConvertStatus.CONVERTED, True, tuple(checks), kind=plan.kind, strategy=strategy,
                     source=tuple(plan.source), written=tuple(written),
                     tensors=sum(len(v) for v in plan.out.values()), restored=tuple(plan.restored),
                     dropped=tuple(plan.dropped), removed=tuple(removed), bytes_written=plan.nbytes, mmap=plan.mmap)
@@ -217,7 +237,7 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
 
 
 def _failed(plan: _Plan, strategy: str, checks=None) -> FolderResult:
-    return FolderResult(str(plan.folder), "failed", False, tuple(checks if checks is not None else plan.checks),
+    return FolderResult(str(plan.folder), ConvertStatus.FAILED, False, tuple(checks if checks is not None else plan.checks),
                         kind=plan.kind, strategy=strategy, source=tuple(plan.source), mmap=plan.mmap,
                         tensors=sum(len(v) for v in plan.out.values()) or None)
 
@@ -239,12 +259,12 @@ def _read(folder: Path) -> _Plan:
                                                 f"({SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME})")
     else:
         others = sorted(p.name for p in folder.glob("*.bin"))
-        found = f"; found only {_examples(others)}" if others else ""
+        found = f"; found only {examples(others)}" if others else ""
         raise DsfixError(f"no {BIN_NAME} or {BIN_INDEX_NAME} here, nor actor/, critic/ or actor_ema/ with one{found}",
                          path=str(folder))
     if has_st:
         what = SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME
-        return _Plan(folder, source, sharded, already=f"{what} is already there beside {_examples(source)} "
+        return _Plan(folder, source, sharded, already=f"{what} is already there beside {examples(source)} "
                                                       f"(remove {what} to convert again)")
     if not (folder / CONFIG_NAME).is_file():
         raise DsfixError(f"no {CONFIG_NAME}: convert needs the model's config to check the weights", path=str(folder))
@@ -258,7 +278,7 @@ def _read(folder: Path) -> _Plan:
             plan.state[key] = tensor
             plan.origin[key] = i
     if not plan.state:
-        raise DsfixError(f"{_examples(source)} holds no tensors", path=str(folder))
+        raise DsfixError(f"{examples(source)} holds no tensors", path=str(folder))
     return plan
 
 
@@ -273,10 +293,10 @@ def _bin_shards(folder: Path) -> list:
     shards = sorted(set(weight_map.values()))
     bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s]
     if bad:
-        raise DsfixError(f"{BIN_INDEX_NAME} names shards outside the folder: {_examples(bad)}", path=str(folder))
+        raise DsfixError(f"{BIN_INDEX_NAME} names shards outside the folder: {examples(bad)}", path=str(folder))
     missing = [s for s in shards if not (folder / s).is_file()]
     if missing:
-        raise DsfixError(f"{BIN_INDEX_NAME} names shards that are missing: {_examples(missing)}", path=str(folder))
+        raise DsfixError(f"{BIN_INDEX_NAME} names shards that are missing: {examples(missing)}", path=str(folder))
     return shards
 
 
@@ -311,7 +331,7 @@ def load_bin(path: Path) -> tuple[dict, bool]:
         raise DsfixError(f"not a state dict of tensors: {k!r} holds an object of type {type(obj[k]).__name__}{hint}", path=str(path))
     sparse = [k for k, v in obj.items() if v.layout != torch.strided]
     if sparse:
-        raise DsfixError(f"sparse tensors cannot be saved as safetensors: {_examples(sparse)}", path=str(path))
+        raise DsfixError(f"sparse tensors cannot be saved as safetensors: {examples(sparse)}", path=str(path))
     return obj, mapped
 
 
@@ -322,7 +342,7 @@ def _plan_tensors(plan: _Plan, strategy: str) -> None:
     """Decide the output files and tensors, and check them against the config's meta model (no writing)."""
     from patcher.checkpoint import verify as v
 
-    cfg, cfg_check, cfg_dtype = v._load_config(plan.folder)
+    cfg, cfg_check, cfg_dtype = ck.load_config(plan.folder)
     plan.kind = v.folder_kind(plan.state)
     plan.checks.append(Check("source", True, _source_detail(plan)))
     plan.checks.append(cfg_check)
@@ -370,31 +390,30 @@ def _plan_tensors(plan: _Plan, strategy: str) -> None:
     else:
         plan.out = {SINGLE_NAME: keep}
 
-    head = _Header(files=list(plan.out))
+    head = Header(files=list(plan.out))
     for name, tensors in plan.out.items():
         for key, t in tensors.items():
-            code = _CODES.get(str(t.dtype).replace("torch.", ""), str(t.dtype).replace("torch.", "").upper())
-            head.entries[key] = (tuple(int(d) for d in t.shape), code, name)
-    keys = v._keys_check(head, expected, tie_groups)
+            head.entries[key] = (tuple(int(d) for d in t.shape), ck.dtype_code(str(t.dtype)), name)
+    keys = ck.keys_check(head, expected, tie_groups)
     if plan.kind == v.CRITIC:
         keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
     plan.checks.append(keys)
-    plan.checks.append(v._shapes_check(head, expected))
-    plan.checks.append(v._nonempty_check(head))
-    plan.checks.append(v._dtype_check(head, cfg_dtype)[0])
+    plan.checks.append(ck.shapes_check(head, expected))
+    plan.checks.append(ck.nonempty_check(head))
+    plan.checks.append(ck.dtype_check(head, cfg_dtype)[0])
     if tied_bad:
         plan.checks.append(Check("tied", False, f"tied aliases in the .bin differ from their partner: "
-                                                f"{_examples(tied_bad)}; refusing to pick one"))
+                                                f"{examples(tied_bad)}; refusing to pick one"))
     elif tie_groups:
         done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
-        plan.checks.append(Check("tied", True, _examples(done) if done else "nothing to restore or drop"))
+        plan.checks.append(Check("tied", True, examples(done) if done else "nothing to restore or drop"))
     else:
         plan.checks.append(Check("tied", True, f"{built} ties no tensors: nothing to restore"))
 
 
 def _source_detail(plan: _Plan) -> str:
     how = "memory-mapped" if plan.mmap else "read (not zip format, so not memory-mapped)"
-    return f"{_examples(plan.source)}: {len(plan.state)} tensors, loaded weights-only, {how}"
+    return f"{examples(plan.source)}: {len(plan.state)} tensors, loaded weights-only, {how}"
 
 
 def _equal(a, b) -> bool:
@@ -430,23 +449,19 @@ def _unshare(tensors: dict) -> tuple[dict, list]:
     return out, copied
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """fsync a written file (an error raises), or a folder so a rename in it lasts (where the system allows)."""
     try:
         fd = os.open(str(path), os.O_RDONLY)
     except OSError:
-        return
+        if path.is_dir():
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if not path.is_dir():
+            raise
     finally:
         os.close(fd)
 
@@ -481,7 +496,7 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
             ready, _ = _unshare(tensors)
             save_file(ready, str(staging / name), metadata={"format": "pt"})
             del ready
-            _fsync_file(staging / name)
+            fsync(staging / name)
             written.append(name)
             advance(sum(t.numel() * t.element_size() for t in tensors.values()))
         if plan.sharded:
@@ -489,13 +504,13 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
                      "weight_map": {k: name for name, ts in plan.out.items() for k in sorted(ts)}}
             index["weight_map"] = dict(sorted(index["weight_map"].items()))
             (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-            _fsync_file(staging / INDEX_NAME)
+            fsync(staging / INDEX_NAME)
             written.append(INDEX_NAME)
         mode = stat.S_IMODE(os.stat(plan.folder / plan.source[0]).st_mode)
         for name in written:  # save_file creates 0600 files; give them the .bin's permissions
             os.chmod(staging / name, mode)
         shutil.copyfile(plan.folder / CONFIG_NAME, staging / CONFIG_NAME)  # for the checks; not moved
-        _fsync_dir(staging)
+        fsync(staging)
     except Exception as e:  # OSError, or safetensors' own error on a full disk
         reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
         raise DsfixError(f"cannot write here: {reason}; nothing written", path=str(plan.folder))
@@ -515,7 +530,7 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
         tied = report.check("tied")
         if tied is not None and tied.ok:
             done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
-            checks[checks.index(tied)] = tied._replace(detail=f"{tied.detail}; {_examples(done)}")
+            checks[checks.index(tied)] = tied._replace(detail=f"{tied.detail}; {examples(done)}")
 
     differ, compared = [], 0
     for name, tensors in plan.out.items():
@@ -525,8 +540,8 @@ def _write_and_check(plan: _Plan, staging: Path, load: bool, advance) -> tuple[l
                     differ.append(key)
                 compared += 1
                 advance(source.numel() * source.element_size())
-    src = _examples(plan.source)
-    checks.append(Check("equal", not differ, f"{len(differ)} of {compared} tensors differ from {src}: {_examples(differ)}"
+    src = examples(plan.source)
+    checks.append(Check("equal", not differ, f"{len(differ)} of {compared} tensors differ from {src}: {examples(differ)}"
                         if differ else f"{compared} tensors equal, bit for bit, to {src}'s"))
     return written, checks
 
@@ -536,14 +551,14 @@ def _commit(staged: list) -> None:
     for plan, staging, written, _ in staged:
         clash = [n for n in written if (plan.folder / n).exists()]
         if clash:
-            raise DsfixError(f"{_examples(clash)} appeared while converting; nothing written", path=str(plan.folder))
+            raise DsfixError(f"{examples(clash)} appeared while converting; nothing written", path=str(plan.folder))
     moved = []
     try:
         for plan, staging, written, _ in staged:
             for name in written:  # shards first, the index last
                 os.replace(staging / name, plan.folder / name)
                 moved.append((staging / name, plan.folder / name))
-            _fsync_dir(plan.folder)
+            fsync(plan.folder)
     except BaseException as e:
         for back, there in reversed(moved):
             try:
@@ -567,7 +582,7 @@ def _remove_bins(plan: _Plan) -> list:
             pass
         except OSError as e:
             raise DsfixError(f"converted, but cannot remove {name}: {e.strerror or e}", path=str(plan.folder))
-    _fsync_dir(plan.folder)
+    fsync(plan.folder)
     return removed
 
 

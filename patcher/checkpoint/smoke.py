@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -25,13 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from patcher.checkpoint.quiet import quiet
 from patcher.checkpoint.ranks import free_port, rank_env
 from patcher.errors import DsfixError
+from patcher.prereq import require
+from patcher.report import Result, Verdict
 from patcher.resources import resource_path
 from patcher.checkpoint.verify import Check, Checks, checks_table, load_check, verify_folder
+from patcher.patch.names import SAVE_HF, SAVE_Z3
 
-SAVE_HF = "save_hf_format_safetensors"
-SAVE_Z3 = "save_zero_three_model_safetensors"
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_CONFIG = "models/qwen3-0.6b/config.json"
 _RANK_CHECKS = ("functions", "setup", "save")  # checks about the ranks themselves; their log tail helps
@@ -39,7 +42,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds pat
 
 
 @dataclass(frozen=True)
-class SmokeReport(Checks):
+class SmokeReport(Checks, Result):
     ok: bool
     checks: tuple  # of Check(name, ok, detail)
     timings: dict  # phase -> seconds (rank 0's phases, plus launch/verify/reload here)
@@ -58,10 +61,32 @@ class SmokeReport(Checks):
     save_output: str = ""  # what the save functions printed on rank 0
     output_dir: Optional[str] = None  # the kept folder, or None when it was a temp dir
     log_tail: str = ""  # the ranks' last log lines when something failed
+    verb = "smoke"
 
-    def to_dict(self) -> dict:
+    @property
+    def status(self) -> Verdict:
+        return Verdict.of(self.ok)
+
+    @property
+    def exit_code(self) -> int:
+        return self.status.exit_code
+
+    @property
+    def message(self) -> str:
+        if self.ok:
+            return f"smoke passed: {self.tensors} tensors saved and verified"
+        return f"smoke failed: {', '.join(c.name for c in self.failed)}"
+
+    @property
+    def warnings(self) -> list:
+        if self.load_method == "ast":
+            return [f"the save functions were read from utils.py with ast: {self.load_detail}"]
+        return []
+
+    def body(self) -> dict:
         return {
             "ok": self.ok,
+            "status": self.status.value,
             "checks": [c._asdict() for c in self.checks],
             "timings": self.timings,
             "device": self.device,
@@ -86,11 +111,6 @@ class SmokeReport(Checks):
 # --------------------------------------------------------------------------- inputs
 
 
-def fixture_path(rel: str) -> Path:
-    """A bundled fixture (see patcher.resources)."""
-    return resource_path("fixtures", rel)
-
-
 def _utils_defines(utils_path: Path) -> set:
     try:
         tree = ast.parse(utils_path.read_bytes(), filename=str(utils_path))
@@ -105,7 +125,8 @@ def _import_root(checkout) -> tuple[Path, str]:
     return checkout.root, checkout.utils_module
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """auto, cpu or cuda to the device to use; cuda must be there when asked for."""
     import torch
 
     if device == "auto":
@@ -200,29 +221,39 @@ class _quiet:
         return exc[0] is not None and issubclass(exc[0], OSError)
 
 
-class _stdout_to_stderr:
-    """fd 1 -> fd 2 while the in-process rank runs: DeepSpeed's logger and stray prints must not reach stdout."""
+class _capture_stdout:
+    """fd 1 -> a file while the in-process rank runs: what libraries print there (DeepSpeed's logger, which
+    binds sys.stdout on import, telling that it set the accelerator to CPU) reaches neither stdout, the
+    CLI's machine channel, nor the user's screen; its last lines are shown only when the smoke fails."""
+
+    def __init__(self, path: Path):
+        self.path = path
 
     def __enter__(self):
         sys.stdout.flush()
-        sys.stderr.flush()
+        self._file = open(self.path, "w+", encoding="utf-8", errors="replace")
         try:
             self._saved = os.dup(1)
-            os.dup2(2, 1)
+            os.dup2(self._file.fileno(), 1)
         except OSError:
             self._saved = None
-        # Loggers created meanwhile (DeepSpeed's binds sys.stdout on import) bind to stderr instead.
-        self._redirect = contextlib.redirect_stdout(sys.stderr)
+        # Loggers created meanwhile bind to the file too.
+        self._redirect = contextlib.redirect_stdout(self._file)
         self._redirect.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._redirect.__exit__(*exc)
         sys.stdout.flush()
+        self._file.flush()
         if self._saved is not None:
             os.dup2(self._saved, 1)
             os.close(self._saved)
+        self._file.close()
         return False
+
+    def tail(self, n: int = 30) -> str:
+        return _tail(self.path, n)
 
 
 # --------------------------------------------------------------------------- the smoke test
@@ -252,19 +283,21 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
         raise DsfixError(f"--nproc must be at least 1, not {nproc!r}")
     if model_dir is not None and config_path is not None:
         raise DsfixError("give --model or --config, not both")
+    need_ds = f"--zero-stage {zero_stage}" if zero_stage > 0 else (f"--nproc {nproc}" if nproc > 1 else None)
+    require("smoke", deepspeed=need_ds, cuda=device == "cuda")  # before anything expensive: find_spec only
     if model_dir is not None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise DsfixError("not a model folder (no config.json)", path=str(model_dir))
     else:
-        config_path = Path(config_path) if config_path is not None else fixture_path(DEFAULT_CONFIG)
+        config_path = Path(config_path) if config_path is not None else resource_path("fixtures", DEFAULT_CONFIG)
         if not config_path.is_file():
             raise DsfixError("no such config file", path=str(config_path))
     defined = _utils_defines(checkout.utils_path)
     if SAVE_HF not in defined:
         raise DsfixError(f"{checkout.rel(checkout.utils_path)} defines no {SAVE_HF}: this checkout was never "
                          "patched: run `dsfix apply` first", path=str(checkout.root))
-    device = _resolve_device(device)
+    device = resolve_device(device)
     use_engine = zero_stage > 0 or nproc > 1
     out_dir, out_tmp = _prepare_out(keep)
     work = Path(tempfile.mkdtemp(prefix="dsfix-smoke-"))
@@ -279,9 +312,12 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
         "dist_timeout": int(min(timeout, 1800)),
     }
     try:
-        with _stdout_to_stderr():  # libraries that print (DeepSpeed's logger) must not reach stdout
-            return _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
-                        kept=out_dir if keep is not None else None)
+        with _capture_stdout(work / "stdout.log") as captured, quiet():  # nothing of theirs on stdout
+            report = _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
+                          kept=out_dir if keep is not None else None)
+        if not report.ok and not report.log_tail and not spec["engine"]:
+            report = dataclasses.replace(report, log_tail=captured.tail())
+        return report
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if out_tmp is not None:
@@ -318,7 +354,8 @@ def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> Sm
 
             spec["distributed"] = False
             results, rc = [worker.run_rank(spec)], 0  # run_smoke has stdout on stderr already
-        timings["ranks"] = round(time.perf_counter() - t, 3)
+        if spec["engine"]:  # in this process, rank 0's own phases below say where the time went
+            timings["ranks"] = round(time.perf_counter() - t, 3)
         r0 = next((r for r in results if r.get("rank") == 0), None)
         if r0 is not None:
             timings.update({k: v for k, v in r0.get("timings", {}).items()})
@@ -368,7 +405,6 @@ def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> Sm
         save_output=(r0 or {}).get("save_output", ""), output_dir=str(kept) if kept is not None else None,
         log_tail=log_tail if any(c.name in _RANK_CHECKS and not c.ok for c in checks) else "",
     )
-    _print_report(report, console)
     return report
 
 
@@ -401,7 +437,9 @@ def _rank_checks(results: list, r0: Optional[dict], errors: list, rc, nproc: int
         return [Check("save", False, _no_result_reason(rc, work_dir))]
     if r0.get("load_method"):
         fns = ", ".join(r0.get("functions", [])) or "none"
-        checks.append(Check("functions", True, f"{fns} via {r0['load_method']}: {r0.get('load_detail')}"))
+        how = ("by importing utils.py" if r0["load_method"] == "import" else
+               "from utils.py's source with ast (it does not import here: see the warning below)")
+        checks.append(Check("functions", True, f"{fns}, {how}"))
     if errors:
         first = min(errors, key=lambda r: r["rank"])
         where = first.get("phase")
@@ -440,8 +478,7 @@ def _reload_checks(spec: dict, device: str) -> list:
             attn = (handle.metadata() or {}).get("attn_implementation")
     check, model = load_check(spec["out_dir"], dtype=tdtype, keep_model=True, attn_implementation=attn)
     out = [check]
-    if model is None or not check.ok:
-        out.append(Check("logits", False, "not compared: the folder does not load cleanly"))
+    if model is None or not check.ok:  # the load row says why; a logits row would not apply
         return out
     if not ref_path.is_file():
         out.append(Check("logits", False, "no reference logits from the saving rank"))
@@ -466,13 +503,14 @@ def _reload_checks(spec: dict, device: str) -> list:
     return out
 
 
-def _print_report(report: SmokeReport, console) -> None:
+def print_report(report: SmokeReport, console) -> None:
+    """The human report on ``console`` (stderr): the checks, then timings and memory."""
     from rich.markup import escape
 
     console.print(checks_table(report.checks, title=f"dsfix smoke: ZeRO-{report.zero_stage}, {report.nproc} rank(s), "
                                                      f"{report.device}, {report.dtype}"))
-    if report.load_method == "ast":
-        console.print(f"[yellow]save functions loaded via ast extraction:[/] {escape(report.load_detail or '')}")
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}")
     t = ", ".join(f"{k} {v:.1f}s" for k, v in report.timings.items())
     mem = ", ".join(f"{k} {v} MB" for k, v in report.peak_rss_mb.items() if v is not None)
     console.print(f"timings: {escape(t)}")
@@ -480,7 +518,7 @@ def _print_report(report: SmokeReport, console) -> None:
     if report.output_dir:
         console.print(f"kept the saved folder in {escape(report.output_dir)}")
     if not report.ok and report.log_tail:
-        console.print("[bold]last lines of the ranks' log:[/]")
+        console.print("[bold]last lines of the log:[/]")
         console.print(escape(report.log_tail), highlight=False)
     console.print("[bold green]smoke passed[/]" if report.ok else
                   f"[bold red]smoke failed[/]: {escape(', '.join(c.name for c in report.failed))}")

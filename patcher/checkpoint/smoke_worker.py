@@ -23,17 +23,12 @@ from argparse import Namespace
 from pathlib import Path
 
 from patcher.checkpoint.ranks import skip_shm_allreduce
+from patcher.patch.names import SAVE_HF, SAVE_Z3, is_dsfix_name
 
-SAVE_HF = "save_hf_format_safetensors"
-SAVE_Z3 = "save_zero_three_model_safetensors"
 REF_FILE = "reference.safetensors"
 PROMPT = "human: what is the sky blue why light scatter answer assistant"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
-
-
-def _wanted(name: str) -> bool:
-    return name in (SAVE_HF, SAVE_Z3) or name.startswith("_dsfix_") or name.startswith("_DSFIX_")
 
 
 # --------------------------------------------------------------------------- loading the save functions
@@ -81,11 +76,11 @@ def extract_definitions(utils_path) -> tuple[dict, list]:
             imports.append(node)
         elif isinstance(node, ast.Try) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body):
             imports.append(node)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _wanted(node.name):
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and is_dsfix_name(node.name):
             defs.append(node)
-        elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and _wanted(t.id) for t in node.targets):
+        elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and is_dsfix_name(t.id) for t in node.targets):
             defs.append(node)
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and _wanted(node.target.id):
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_dsfix_name(node.target.id):
             defs.append(node)
     ns: dict = {"__name__": "dsfix_smoke_extracted", "__file__": path, "__builtins__": builtins}
 
@@ -133,9 +128,9 @@ def make_tiny_tokenizer(folder):
     over a ~300-token byte-level BPE, its vocabulary kept in ``folder`` (so save_pretrained works)."""
     import importlib.util
 
-    from patcher.checkpoint.smoke import fixture_path
+    from patcher.resources import resource_path
 
-    spec = importlib.util.spec_from_file_location("dsfix_tiny_qwen3", fixture_path("step1_trainer/tiny_qwen3.py"))
+    spec = importlib.util.spec_from_file_location("dsfix_tiny_qwen3", resource_path("fixtures", "step1_trainer/tiny_qwen3.py"))
     helper = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helper)
     return helper.tiny_qwen3_tokenizer(folder)

@@ -21,15 +21,17 @@ Two kinds of folder, told apart by their keys:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
+from patcher.checkpoint.checks import (
+    CONFIG_NAME, INDEX_NAME, Check, Header, dtype_check, examples, keys_check, load_config,
+    nonempty_check, read_headers, shape_text, shapes_check, weight_files,
+)
 from patcher.errors import DsfixError
+from patcher.report import Result, Verdict
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 STEP3_SUBFOLDERS = ("actor", "critic", "actor_ema")  # what DeepSpeed-Chat's step 3 saves under its output folder
 
 CAUSAL_LM = "causal-lm"
@@ -39,24 +41,9 @@ KIND_TEXT = {
     CRITIC: "reward/critic model (rwtransformer.* + v_head.weight, as create_critic_model builds it)",
 }
 
-# safetensors header dtype -> torch dtype name
-_DTYPE_NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}
-_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-_SHOW = 3  # how many examples a failing detail names
-
-
-class Check(NamedTuple):
-    name: str
-    ok: bool
-    detail: str
-
 
 class Checks:
-    """What verify's and smoke's reports share: a tuple of Check, looked up by name, and JSON."""
+    """What verify's, smoke's and convert's reports share: a tuple of Check, looked up by name, and JSON."""
 
     checks: tuple
 
@@ -68,11 +55,13 @@ class Checks:
         return tuple(c for c in self.checks if not c.ok)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return json.dumps(self.to_dict(), indent=2, default=str)
 
 
 @dataclass(frozen=True)
 class VerifyReport(Checks):
+    """One folder's checks (a step-3 folder gives one per model folder; :class:`VerifyResult` holds them)."""
+
     path: str
     ok: bool
     checks: tuple  # of Check(name, ok, detail)
@@ -94,15 +83,42 @@ class VerifyReport(Checks):
             "checks": [c._asdict() for c in self.checks],
         }
 
+    @property
+    def summary(self) -> str:
+        verdict = "all checks hold" if self.ok else "verification FAILED"
+        return f"{verdict}: {self.tensors} tensors, {KIND_TEXT[self.kind]}"
 
 
-@dataclass
-class _Header:
-    """What the safetensors headers say: name -> (shape, dtype code, file)."""
+@dataclass(frozen=True)
+class VerifyResult(Result):
+    """``dsfix verify``'s result: one report per model folder. With one folder, that folder's keys are also
+    at the top level of the JSON (``ok``, ``tensors``, ``checks``, ...)."""
 
-    entries: dict = field(default_factory=dict)
-    files: list = field(default_factory=list)
-    problems: list = field(default_factory=list)
+    path: str
+    reports: tuple  # of VerifyReport
+    verb = "verify"
+    warnings = ()
+
+    @property
+    def status(self) -> Verdict:
+        return Verdict.of(all(r.ok for r in self.reports))
+
+    @property
+    def exit_code(self) -> int:
+        return self.status.exit_code
+
+    @property
+    def message(self) -> str:
+        if len(self.reports) == 1:
+            return self.reports[0].summary
+        bad = [Path(r.path).name for r in self.reports if not r.ok]
+        return (f"verification FAILED in {', '.join(bad)}" if bad else
+                f"all checks hold in {len(self.reports)} folders")
+
+    def body(self) -> dict:
+        head = self.reports[0].to_dict() if len(self.reports) == 1 else {}
+        return {**head, "path": self.path, "ok": self.status is Verdict.PASSED, "status": self.status.value,
+                "folders": [r.to_dict() for r in self.reports]}
 
 
 def checks_table(checks, title: str = "dsfix verify"):
@@ -124,70 +140,7 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def _examples(items, n: int = _SHOW) -> str:
-    items = list(items)
-    more = f" (+{len(items) - n} more)" if len(items) > n else ""
-    return ", ".join(str(i) for i in items[:n]) + more
-
-
-def _shape(shape) -> str:
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
-
-
 # --------------------------------------------------------------------------- reading the folder
-
-
-def _weight_files(folder: Path) -> tuple[list, Optional[dict], list]:
-    """(files, weight_map or None, problems). Raises DsfixError when there are no safetensors weights."""
-    index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return [], None, [f"{INDEX_NAME} is unreadable: {e}"]
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (folder / f).is_file()]
-        problems = [f"{INDEX_NAME} names shards that are missing: {_examples(missing)}"] if missing else []
-        return [f for f in files if f not in missing], weight_map, problems
-    if (folder / SINGLE_NAME).is_file():
-        return [SINGLE_NAME], None, []
-    others = sorted(p.name for p in folder.glob("*.safetensors"))
-    if others:
-        return others, None, [f"no {SINGLE_NAME} or {INDEX_NAME}; found {_examples(others)}, which from_pretrained ignores"]
-    bins = sorted(p.name for p in folder.glob("*.bin"))
-    if bins:
-        raise DsfixError(f"no safetensors weights, only {_examples(bins)} (a pickle save); nothing to verify "
-                         "(`dsfix convert` turns it into safetensors)", path=str(folder))
-    raise DsfixError(f"no model weights ({SINGLE_NAME} or {INDEX_NAME}) in this folder", path=str(folder))
-
-
-def _read_headers(folder: Path, files: list, weight_map: Optional[dict]) -> _Header:
-    from safetensors import safe_open
-
-    head = _Header(files=list(files))
-    for name in files:
-        try:
-            with safe_open(str(folder / name), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    if key in head.entries:
-                        head.problems.append(f"{key} appears in both {head.entries[key][2]} and {name}")
-                    head.entries[key] = (tuple(int(d) for d in sl.get_shape()), sl.get_dtype(), name)
-        except Exception as e:  # a truncated or garbled file
-            head.problems.append(f"{name} is not a readable safetensors file: {type(e).__name__}: {e}")
-    if weight_map is not None:
-        wrong = [k for k, f in weight_map.items() if f in files and head.entries.get(k, (None, None, f))[2] != f]
-        absent = [k for k, f in weight_map.items() if f in files and k not in head.entries]
-        unlisted = [k for k in head.entries if k not in weight_map]
-        if absent:
-            head.problems.append(f"{INDEX_NAME} lists tensors its shards lack: {_examples(absent)}")
-        if wrong:
-            head.problems.append(f"{INDEX_NAME} maps tensors to the wrong shard: {_examples(wrong)}")
-        if unlisted:
-            head.problems.append(f"shards hold tensors {INDEX_NAME} does not list: {_examples(unlisted)}")
-    return head
 
 
 def _read_tensor(folder: Path, file: str, key: str):
@@ -195,30 +148,6 @@ def _read_tensor(folder: Path, file: str, key: str):
 
     with safe_open(str(folder / file), framework="pt") as f:
         return f.get_tensor(key)
-
-
-def _load_config(folder: Path) -> tuple[Optional[Any], Check, Optional[str]]:
-    """(config or None, the check, torch_dtype string from the json or None)."""
-    path = folder / CONFIG_NAME
-    if not path.is_file():
-        return None, Check("config", False, f"no {CONFIG_NAME}: from_pretrained cannot load this folder"), None
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        return None, Check("config", False, f"{CONFIG_NAME} is not valid JSON: {e}"), None
-    try:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(str(folder))
-    except Exception as e:
-        return None, Check("config", False, f"transformers cannot read {CONFIG_NAME}: {type(e).__name__}: {e}"), None
-    cfg_dtype = raw.get("dtype") or raw.get("torch_dtype")
-    arch = ",".join(raw.get("architectures") or []) or "?"
-    tied = raw.get("tie_word_embeddings", getattr(cfg, "tie_word_embeddings", None))
-    detail = f"model_type {raw.get('model_type', '?')}, {arch}, tie_word_embeddings {tied}, dtype {cfg_dtype}"
-    return cfg, Check("config", True, detail), cfg_dtype
 
 
 def folder_kind(keys) -> str:
@@ -275,6 +204,14 @@ def _holds_weights(folder: Path) -> bool:
 # --------------------------------------------------------------------------- the checks
 
 
+def verify_path(path, expect: Optional[int] = None, load: bool = True) -> VerifyResult:
+    """``dsfix verify PATH``: every model folder under ``path`` (see model_folders), third-party output off."""
+    from patcher.checkpoint.quiet import quiet
+
+    with quiet():
+        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load) for p in model_folders(path)))
+
+
 def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> VerifyReport:
     """Check the model saved in ``path``. Raises DsfixError (code 2) on bad input; failing checks give ok=False."""
     folder = Path(path)
@@ -282,16 +219,16 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
         raise DsfixError("no such folder", path=str(path))
     if not folder.is_dir():
         raise DsfixError("is not a folder", path=str(path))
-    files, weight_map, file_problems = _weight_files(folder)
-    head = _read_headers(folder, files, weight_map)
+    files, weight_map, file_problems = weight_files(folder)
+    head = read_headers(folder, files, weight_map)
     problems = file_problems + head.problems
     if not head.entries and not problems:
         raise DsfixError("the weight files hold no tensors", path=str(path))
 
     checks: list = []
-    cfg, cfg_check, cfg_dtype = _load_config(folder)
+    cfg, cfg_check, cfg_dtype = load_config(folder)
     checks.append(cfg_check)
-    what = f"{len(files)} shard(s) via {INDEX_NAME}" if weight_map is not None else _examples(files)
+    what = f"{len(files)} shard(s) via {INDEX_NAME}" if weight_map is not None else examples(files)
     checks.append(Check("files", not problems, "; ".join(problems) if problems else f"{what}, {len(head.entries)} tensors"))
 
     kind = folder_kind(head.entries)
@@ -309,14 +246,14 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
             checks.append(Check("keys", False, f"cannot build {what} from {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
 
     if expected_shapes is not None:
-        keys = _keys_check(head, expected_shapes, tie_groups)
+        keys = keys_check(head, expected_shapes, tie_groups)
         if kind == CRITIC:
             keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
         checks.append(keys)
-        checks.append(_shapes_check(head, expected_shapes))
-    checks.append(_nonempty_check(head))
-    dtype_check, dtype_name = _dtype_check(head, cfg_dtype)
-    checks.append(dtype_check)
+        checks.append(shapes_check(head, expected_shapes))
+    checks.append(nonempty_check(head))
+    dtype_row, dtype_name = dtype_check(head, cfg_dtype)
+    checks.append(dtype_row)
     if tie_groups:
         checks.append(_tied_check(folder, head, tie_groups))
     if expect is not None:
@@ -337,87 +274,43 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
     )
 
 
-def _keys_check(head: _Header, expected: dict, tie_groups: list) -> Check:
-    present = set(head.entries)
-    partner = {k: g for g in tie_groups for k in g}
-    missing = [k for k in expected if k not in present]
-    aliases = [k for k in missing if any(o in present for o in partner.get(k, ()) if o != k)]
-    really_missing = [k for k in missing if k not in aliases]
-    unexpected = [k for k in head.entries if k not in expected]
-    if really_missing or unexpected:
-        parts = []
-        if really_missing:
-            parts.append(f"{len(really_missing)} missing: {_examples(really_missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected: {_examples(unexpected)}")
-        return Check("keys", False, "; ".join(parts))
-    detail = f"{len(present)} of {len(expected)} keys"
-    if aliases:
-        named = [f"{k} (tied to {next(o for o in partner[k] if o in present)})" for k in aliases]
-        detail += f"; omitted tied alias {_examples(named)}"
-    return Check("keys", True, detail)
-
-
-def _shapes_check(head: _Header, expected: dict) -> Check:
-    wrong = [f"{k} {_shape(s)} != {_shape(expected[k])}" for k, (s, _, _) in head.entries.items()
-             if k in expected and tuple(s) != expected[k] and 0 not in s]
-    empty = sum(1 for k, (s, _, _) in head.entries.items() if k in expected and 0 in s and tuple(s) != expected[k])
-    if wrong or empty:
-        parts = [f"{len(wrong)} wrong: {_examples(wrong)}"] if wrong else []
-        if empty:
-            parts.append(f"{empty} empty (see non-empty)")
-        return Check("shapes", False, "; ".join(parts))
-    return Check("shapes", True, "all match the config's model")
-
-
-def _nonempty_check(head: _Header) -> Check:
-    empty = [f"{k} {_shape(s)}" for k, (s, _, _) in head.entries.items() if 0 in s]
-    if empty:
-        hint = ""
-        if any(s == (0,) for s, _, _ in head.entries.values()):
-            hint = " — shape [0] is a ZeRO-3 partitioned placeholder: gather the parameters before saving"
-        return Check("non-empty", False, f"{len(empty)} of {len(head.entries)} tensors are empty: {_examples(empty)}{hint}")
-    return Check("non-empty", True, f"{len(head.entries)} tensors, none empty")
-
-
-def _dtype_check(head: _Header, cfg_dtype: Optional[str]) -> tuple[Check, Optional[str]]:
-    floats = {}
-    for k, (_, code, _) in head.entries.items():
-        if code in _FLOAT_CODES:
-            floats.setdefault(code, []).append(k)
-    if len(floats) > 1:
-        mix = "; ".join(f"{len(v)} {_DTYPE_NAMES.get(c, c)} (e.g. {v[0]})" for c, v in sorted(floats.items(), key=lambda i: -len(i[1])))
-        return Check("dtype", False, f"floating tensors mix dtypes: {mix}"), None
-    if not floats:
-        return Check("dtype", True, "no floating tensors"), None
-    name = _DTYPE_NAMES.get(next(iter(floats)), next(iter(floats)))
-    note = ""
-    if cfg_dtype and str(cfg_dtype).replace("torch.", "") != name:
-        note = f" (config.json says {cfg_dtype}; from_pretrained(dtype='auto') would cast)"
-    return Check("dtype", True, f"all floating tensors {name}{note}"), name
-
-
-def _tied_check(folder: Path, head: _Header, tie_groups: list) -> Check:
-    import torch
-
+def _tied_check(folder: Path, head: Header, tie_groups: list) -> Check:
     notes, bad = [], []
     for group in tie_groups:
         present = [k for k in group if k in head.entries]
         if len(present) < 2:
             continue
-        first = _read_tensor(folder, head.entries[present[0]][2], present[0])
         for other in present[1:]:
-            t = _read_tensor(folder, head.entries[other][2], other)
-            if first.shape != t.shape or first.dtype != t.dtype or not torch.equal(first, t):
-                bad.append(f"{other} != {present[0]}")
-            else:
+            if _equal_in_files(folder, head, present[0], other):
                 notes.append(f"{other} == {present[0]}")
+            else:
+                bad.append(f"{other} != {present[0]}")
     if bad:
-        return Check("tied", False, f"tied aliases differ from their partner: {_examples(bad)} "
+        return Check("tied", False, f"tied aliases differ from their partner: {examples(bad)} "
                                     "(from_pretrained re-ties them and silently keeps only one)")
     if not notes:
         return Check("tied", True, "tied aliases not stored (transformers re-ties on load)")
-    return Check("tied", True, _examples(notes))
+    return Check("tied", True, examples(notes))
+
+
+def _equal_in_files(folder: Path, head: Header, a: str, b: str, chunk_bytes: int = 64 * 2**20) -> bool:
+    """torch.equal of two stored tensors, read a block of rows at a time (not two whole copies at once)."""
+    import torch
+    from safetensors import safe_open
+
+    (shape, code, file_a), (shape_b, code_b, file_b) = head.entries[a], head.entries[b]
+    if tuple(shape) != tuple(shape_b) or code != code_b:
+        return False
+    if not shape or 0 in shape:
+        return torch.equal(_read_tensor(folder, file_a, a), _read_tensor(folder, file_b, b))
+    with safe_open(str(folder / file_a), framework="pt") as fa, safe_open(str(folder / file_b), framework="pt") as fb:
+        sa, sb = fa.get_slice(a), fb.get_slice(b)
+        row = max(1, int(torch.Size(shape[1:]).numel()) * 8)  # bytes of a row, at most
+        step = max(1, chunk_bytes // row)
+        for start in range(0, shape[0], step):
+            if not torch.equal(sa[start:start + step], sb[start:start + step]):
+                return False
+    return True
 
 
 def load_check(path, *, dtype=None, device=None, keep_model: bool = False, attn_implementation=None):
@@ -447,7 +340,7 @@ def load_check(path, *, dtype=None, device=None, keep_model: bool = False, attn_
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         vals = list(info.get(key) or [])
         if vals:
-            problems.append(f"{key.replace('_', ' ')}: {_examples(vals)}")
+            problems.append(f"{key.replace('_', ' ')}: {examples(vals)}")
     if problems:
         return Check("load", False, "from_pretrained: " + "; ".join(problems)), (model if keep_model else None)
     untied = tie_on_load_check(model)
@@ -485,7 +378,7 @@ def tie_on_load_check(model) -> Optional[Check]:
                                 "--strategy dedupe (dsfix apply or convert), or load with transformers >= 5.4")
 
 
-def critic_load_check(path, head: Optional[_Header] = None) -> Check:
+def critic_load_check(path, head: Optional[Header] = None) -> Check:
     """Load a critic folder the way step 3 does without from_pretrained (which a RewardModel lacks).
 
     Builds :class:`patcher.checkpoint.critic.CriticModel` from config.json (parameters on meta, buffers real),
@@ -505,8 +398,8 @@ def critic_load_check(path, head: Optional[_Header] = None) -> Check:
     except Exception as e:
         return Check("load", False, f"cannot build the critic from {CONFIG_NAME}: {type(e).__name__}: {e}")
     if head is None:
-        files, weight_map, _ = _weight_files(folder)
-        head = _read_headers(folder, files, weight_map)
+        files, weight_map, _ = weight_files(folder)
+        head = read_headers(folder, files, weight_map)
     state = {}
     for name in head.files:
         try:
@@ -522,11 +415,11 @@ def critic_load_check(path, head: Optional[_Header] = None) -> Check:
         return Check("load", False, f"load_state_dict (strict) into the critic: {msg[:400]}")
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
-        return Check("load", False, f"{len(left)} tensors left unloaded: {_examples(left)}")
+        return Check("load", False, f"{len(left)} tensors left unloaded: {examples(left)}")
     live = model.state_dict()
     differ = [k for k, t in state.items() if not same_bits(live[k], t)]
     if differ:
-        return Check("load", False, f"{len(differ)} of the critic's tensors differ from the file's: {_examples(differ)}")
+        return Check("load", False, f"{len(differ)} of the critic's tensors differ from the file's: {examples(differ)}")
     vocab = int(getattr(model.config, "vocab_size", 8) or 8)
     ids = (torch.arange(8) % vocab).unsqueeze(0)
     try:
@@ -537,7 +430,7 @@ def critic_load_check(path, head: Optional[_Header] = None) -> Check:
         msg = " ".join(str(e).split())
         return Check("load", False, f"the loaded critic does not run: {type(e).__name__}: {msg[:300]}")
     if tuple(values.shape) != (1, 8) or not bool(torch.isfinite(values.float()).all()):
-        return Check("load", False, f"the loaded critic gives values of shape {_shape(values.shape)}, "
+        return Check("load", False, f"the loaded critic gives values of shape {shape_text(values.shape)}, "
                                     f"{int((~torch.isfinite(values.float())).sum())} not finite")
     return Check("load", True, f"critic ({model_name(model, CRITIC)}) loaded with strict keys: {len(state)} tensors, "
                                "none missing or unexpected, all equal to the files; one finite value per token")

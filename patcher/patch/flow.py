@@ -4,16 +4,18 @@ the CLI only prints it."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.patch import plan as planner
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
-from patcher.errors import OK, PENDING, DsfixError
-from patcher.patch.locate import Checkout, find_checkout, find_patched, find_state_root
+from patcher.errors import OK, PENDING, DsfixError, shown
+from patcher.patch.locate import Checkout, find_checkout, find_patched
 from patcher.patch.plan import Status, Target
 from patcher.patch.template import load_template
+from patcher.report import Result
 
 
 @dataclass
@@ -26,7 +28,8 @@ class FileReport:
 
 
 def exit_code(verb: str, files: list) -> int:
-    """The one place exit codes come from: check 1 when a file would change, revert 1 when one is refused."""
+    """The one place the patch verbs' exit codes come from: check 1 when a file would change, revert 1 when
+    one is refused."""
     if verb == "check" and any(f.status == Status.WOULD_CHANGE for f in files):
         return PENDING
     if verb == "revert" and any(f.status == Status.REFUSED for f in files):
@@ -35,7 +38,7 @@ def exit_code(verb: str, files: list) -> int:
 
 
 @dataclass
-class Outcome:
+class Outcome(Result):
     """One object owns the file reports, the wording and the exit code (like black's Report)."""
 
     verb: str
@@ -51,15 +54,11 @@ class Outcome:
     def exit_code(self) -> int:
         return exit_code(self.verb, self.files)
 
-    def to_json(self) -> dict:
+    def body(self) -> dict:
         return {
-            "verb": self.verb,
             "checkout": str(self.root),
             "layout": self.layout,
-            "exit_code": self.exit_code,
-            "message": self.message,
             "files": [{**vars(f), "status": f.status.value} for f in self.files],
-            "warnings": self.warnings,
         }
 
 
@@ -93,9 +92,49 @@ def _report(verb: str, co: Checkout, plan: planner.ApplyPlan, status: Status) ->
     return out
 
 
-def check(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) -> Outcome:
+_MARKER_STRATEGY = re.compile(rb"# dsfix: template=v\d+ strategy=(clone|dedupe)\b")
+
+
+@dataclass(frozen=True)
+class Options:
+    strategy: str
+    steps: tuple
+    record: st.Record | None  # what the state folder records, if anything
+
+
+def options(co: Checkout, strategy: str | None, steps) -> Options:
+    """The options a run uses: those given, else those the last apply recorded in the state folder, else the
+    strategy dsfix's marker line in utils.py names, else clone and step 1."""
+    rec = st.record_at(co.root)
+    if strategy is None:
+        strategy = rec.strategy if rec is not None else None
+    if strategy is None:
+        try:
+            m = _MARKER_STRATEGY.search(co.utils_path.read_bytes())
+        except OSError:
+            m = None
+        strategy = m.group(1).decode() if m else "clone"
+    if not steps:
+        steps = rec.steps if rec is not None and rec.steps else (1,)
+    return Options(strategy, tuple(sorted(set(steps))), rec)
+
+
+def _drops(co: Checkout, opts: Options, saved) -> list:
+    """The files an earlier apply patched for steps that the steps asked for now leave out, as read."""
+    return [Target(rel, saved.entries[rel]["role"], _maybe_read(co.root / rel, rel))
+            for rel in planner.left_out(saved, opts.steps)]
+
+
+def check(repo=".", strategy: str | None = None, steps=None, main=None, scripts=()) -> Outcome:
+    """``strategy`` and ``steps`` None: as the last apply recorded them (see ``options``)."""
     co = find_checkout(repo, main, scripts)
-    plan = planner.plan_apply(_targets(co, steps), load_template(strategy), strategy)
+    opts = options(co, strategy, steps)
+    saved, drop = None, []
+    if opts.record is not None and set(opts.record.steps) - set(opts.steps):  # steps left out: shown restored
+        saved = st.load(co.root)
+        drop = _drops(co, opts, saved)
+    plan = planner.plan_apply(_targets(co, opts.steps), load_template(opts.strategy), opts.strategy, saved,
+                              steps=opts.steps, drop=drop)
     out = _report("check", co, plan, Status.WOULD_CHANGE)
     out.diff = b"".join(unified_diff(c.old, c.new, _display_path(co.root, c.rel)) for c in plan.pending)
     out.new_bytes = {c.rel: c.new for c in plan.pending}
@@ -104,16 +143,20 @@ def check(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) 
     return out
 
 
-def apply(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) -> Outcome:
+def apply(repo=".", strategy: str | None = None, steps=None, main=None, scripts=()) -> Outcome:
+    """``strategy`` and ``steps`` None: as the last apply recorded them; what this apply used is recorded."""
     co = find_checkout(repo, main, scripts)
     with st.lock(co.root):
         st.recover(co.root)
+        opts = options(co, strategy, steps)
         saved = st.load(co.root)
         scripts = tuple(co.rel(p) for p in (co.step_mains[1], *co.scripts))
-        plan = planner.plan_apply(_targets(co, steps), load_template(strategy), strategy, saved, verify=True,
-                                  scripts=scripts)
+        plan = planner.plan_apply(_targets(co, opts.steps), load_template(opts.strategy), opts.strategy, saved,
+                                  verify=True, scripts=scripts, steps=opts.steps, drop=_drops(co, opts, saved))
         out = _report("apply", co, plan, Status.CHANGED)
         if not plan.pending:
+            if plan.state is not None:  # the same files, other options to remember
+                st.commit(co.root, [], plan.state, rel_of=co.rel)
             out.message = "nothing to do: already patched"
             return out
         st.commit(co.root, [(co.root / c.rel, c.new) for c in plan.pending], plan.state, rel_of=co.rel)
@@ -123,49 +166,42 @@ def apply(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) 
 
 def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
     """With the state folder (found at or above ``repo``), the files it records; without, a structural undo
-    of what dsfix changed, found in the files themselves (see locate.find_patched)."""
-    root = find_state_root(repo)
-    co = None
+    of what dsfix changed, found in the files themselves (see locate.find_patched). What to do with each
+    file, in which order, and what counts as restored is plan_revert's; here: read, then write once."""
+    root = st.find_root(repo)
+    co, not_a_checkout = None, None
     if root is None:
         try:
             co = find_checkout(repo, main, scripts)
             root = co.root
-        except DsfixError:  # a layout only --main could name, say: the files still tell what dsfix changed
+        except DsfixError as e:  # a layout only --main could name, say: the files still tell what dsfix changed
+            not_a_checkout = e
             root = Path(repo).resolve()
             root = root if root.is_dir() else root.parent
     with st.lock(root):
         st.recover(root)
         saved = st.load(root)
-        if saved is not None:
-            targets = [Target(rel, e["role"], _maybe_read(root / rel, rel), tuple(e.get("modules") or ()))
-                       for rel, e in sorted(saved.entries.items())]
-            layout = None
-        else:
-            targets = _targets(co, list(co.step_mains), strict=False) if co is not None else []
-            known = {t.rel for t in targets}
-            for path, role, modules in find_patched(root):
-                rel = Path(os.path.relpath(path, root)).as_posix()
-                if rel not in known:
-                    targets.append(Target(rel, role, st.read_bytes(path, rel), tuple(modules)))
-            targets.sort(key=lambda t: t.role != "utils")
-            layout = co.layout if co is not None else "marked"
-            if not targets:
-                out = Outcome("revert", root, layout, message="nothing to revert: no dsfix patch found")
-                return out
+        found = []
+        if saved is None:
+            found = list(co.targets(list(co.step_mains), False)) if co is not None else []
+            found += [(Path(os.path.relpath(path, root)).as_posix(), role, modules)
+                      for path, role, modules in find_patched(root)]
+            if not found and not_a_checkout is not None:  # no state folder, no checkout, no marker
+                raise not_a_checkout
+        order = planner.revert_targets(saved, found)
+        read = _maybe_read if saved is not None else st.read_bytes
+        targets = [Target(rel, role, read(root / rel, rel), modules) for rel, role, modules in order]
         plan = planner.plan_revert(targets, saved, force, load_template)
-        out = Outcome("revert", root, co.layout if co else layout)
+        out = Outcome("revert", root, None if saved is not None else (co.layout if co else "marked"))
         for r in plan.results:
             out.files.append(FileReport(r.rel, r.status, r.notes + ([r.reason] if r.reason else [])))
         if plan.refused:
-            names = ", ".join(r.rel for r in plan.refused)
+            names = shown([r.rel for r in plan.refused])
             out.message = f"refused, nothing written: {names} changed since apply; " + plan.refused[0].reason
             return out
-        current = {t.rel: t.data for t in targets}
-        writes = [(root / r.keep_as, current[r.rel]) for r in plan.results if r.keep_as and current[r.rel] is not None]
-        writes += [(root / r.rel, r.new) for r in plan.results if r.new is not None and r.new != current[r.rel]]
-        st.commit(root, writes, None if saved is not None else st.KEEP,
+        st.commit(root, [(root / rel, data) for rel, data in plan.writes], None if saved is not None else st.KEEP,
                   rel_of=lambda p: Path(os.path.relpath(p, root)).as_posix())
-        n = len([w for w in writes if not str(w[0]).endswith(".dsfix-edited")])
+        n = len(plan.restored)
         out.message = f"{_plural(n)} restored" if n else "nothing to revert: no dsfix patch found"
         return out
 

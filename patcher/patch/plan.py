@@ -18,7 +18,8 @@ import libcst as cst
 from patcher.patch import calls, transforms
 from patcher.patch.diff import split_lines
 from patcher.errors import DsfixError
-from patcher.patch.template import Template, _defined_name, is_dsfix_name, load_loader
+from patcher.patch.names import is_dsfix_name
+from patcher.patch.template import Template, defined_name, load_loader
 
 STEP2_WARNING = (
     "step 2 will save model.safetensors, but dsfix found no model_utils.py defining create_critic_model, step 3's "
@@ -63,6 +64,8 @@ class Saved:
     blobs: dict  # (rel, "original" | "patched") -> bytes
     main: str | None = None  # the step-1 script and the further ones patched, so that later runs need no
     scripts: tuple = ()  # --main or --script again
+    strategy: str | None = None  # the --strategy and --steps of the last apply, likewise remembered
+    steps: tuple = ()
 
     def blob(self, rel: str, kind: str) -> bytes:
         return self.blobs[(rel, kind)]
@@ -106,6 +109,8 @@ class RevertOutcome:
 class RevertPlan:
     results: tuple
     refused: tuple  # the refused RevertOutcomes (nothing is written when there are any)
+    writes: tuple = ()  # (rel, bytes) in the order to write: the users' versions kept beside first, then restores
+    restored: tuple = ()  # the files whose dsfix change is undone (what "N files restored" counts)
 
 
 # ----------------------------------------------------------------------------- parsing and rendering
@@ -169,9 +174,10 @@ def patch_file(target: Target, tpl: Template, strategy: str, defs: dict | None =
 
 
 def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None = None,
-               verify: bool = False, scripts: tuple = ()) -> ApplyPlan:
-    """``targets``: utils.py first, then the scripts; ``scripts``: (step-1 script, further ones) to record.
-    ``verify``: compile every new text and parse it back
+               verify: bool = False, scripts: tuple = (), steps: tuple = (1,), drop: tuple = ()) -> ApplyPlan:
+    """``targets``: utils.py first, then the scripts; ``scripts``: (step-1 script, further ones) to record,
+    with ``strategy`` and ``steps``. ``drop``: files an earlier apply patched for steps that ``steps`` leaves
+    out now (Targets as read), restored from ``saved``. ``verify``: compile every new text and parse it back
     with libcst (apply does; check, which writes nothing, shows the diff without)."""
     changes, warnings, defs = [], [], None
     for t in targets:
@@ -186,13 +192,31 @@ def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None 
         warnings += found
         if t.role == "step2" and not any(x.role == "loader" for x in targets):
             warnings.append(STEP2_WARNING)
+    listed = ",".join(map(str, steps))
+    for t in drop:
+        r = revert_with_state(saved, t.rel, t.data)
+        if r.status == Status.REFUSED:
+            how = "edited since apply where dsfix changed it" if t.data is not None else "gone since apply"
+            raise DsfixError(f"patched for {_step_words(t.role)}, which --steps {listed} leaves out, but {how}; "
+                             "run `dsfix revert` first, or keep that step in --steps", path=t.rel)
+        if r.new is not None and t.data is not None:
+            changes.append(FileChange(t.rel, t.role, t.data, r.new,
+                                      (f"restores the original: --steps {listed} leaves {_step_words(t.role)} out",)))
     pending = [c for c in changes if c.changed]
+    record = (scripts[0] if scripts else None, tuple(scripts[1:]), strategy, tuple(steps))
     state = None
-    if pending:
+    if pending or (saved is not None and (saved.main, tuple(saved.scripts), saved.strategy, tuple(saved.steps))
+                   != record):
         entries = dict(saved.entries) if saved else {}
         blobs = dict(saved.blobs) if saved else {}
         by_rel = {t.rel: t for t in targets}
+        dropped = {t.rel for t in drop}
         for c in pending:
+            if c.rel in dropped:
+                del entries[c.rel]
+                blobs.pop((c.rel, "original"), None)
+                blobs.pop((c.rel, "patched"), None)
+                continue
             original = c.old
             if saved is not None and c.rel in saved.entries:
                 original = original_under_edits(saved, c.rel, c.old, by_rel[c.rel].modules)
@@ -200,8 +224,21 @@ def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None 
                               "template": tpl.version, "strategy": strategy, "modules": list(by_rel[c.rel].modules)}
             blobs[(c.rel, "original")] = original
             blobs[(c.rel, "patched")] = c.new
-        state = Saved(entries, blobs, scripts[0] if scripts else None, tuple(scripts[1:]))
+        state = Saved(entries, blobs, *record)
     return ApplyPlan(tuple(changes), tuple(warnings), state)
+
+
+def _step_words(role: str) -> str:
+    return "steps 2 and 3 (step 3's critic loader)" if role == "loader" else role.replace("step", "step ")
+
+
+def left_out(saved: Saved | None, steps: tuple) -> list:
+    """The files ``saved`` records for steps that ``steps`` leaves out (their rel paths)."""
+    if saved is None:
+        return []
+    keep = {f"step{n}" for n in steps} | ({"loader"} if {2, 3} & set(steps) else set())
+    return sorted(rel for rel, e in saved.entries.items()
+                  if e.get("role") in ("step1", "step2", "step3", "loader") and e.get("role") not in keep)
 
 
 def original_under_edits(saved: Saved, rel: str, current: bytes, modules: tuple) -> bytes:
@@ -239,7 +276,7 @@ def dsfix_block(data: bytes) -> str:
     """dsfix's inserted statements (and the marker), as text, to tell whether a user edited them."""
     module = cst.parse_module(data)
     return "".join(module.code_for_node(s) for s in module.body
-                   if (n := _defined_name(s)) is not None and is_dsfix_name(n))
+                   if (n := defined_name(s)) is not None and is_dsfix_name(n))
 
 
 def has_residue(data: bytes, rel: str, role: str, modules: tuple) -> bool:
@@ -326,13 +363,28 @@ def revert_without_state(target: Target, tpl_for, force: bool) -> RevertOutcome:
     return RevertOutcome(rel, new, Status.STRUCTURAL, notes=["no state folder: undone structurally"])
 
 
+def revert_targets(saved: Saved | None, found: list) -> list:
+    """Which files revert reads, in which order: [(rel, role, modules)].
+
+    With the state folder, the files it records (by path). Without it, ``found``: the checkout's targets
+    and the files that hold dsfix's marker or call its functions, each once, utils.py first."""
+    if saved is not None:
+        return [(rel, e["role"], tuple(e.get("modules") or ())) for rel, e in sorted(saved.entries.items())]
+    seen, out = set(), []
+    for rel, role, modules in found:
+        if rel not in seen:
+            seen.add(rel)
+            out.append((rel, role, tuple(modules)))
+    return sorted(out, key=lambda t: t[1] != "utils")  # stable: otherwise in the order found
+
+
 def plan_revert(targets: list, saved: Saved | None, force: bool, tpl_for) -> RevertPlan:
-    """One decision per file. With the state folder, ``targets`` are the files it records; without it,
-    utils.py first: when it holds no dsfix block, dsfix never patched this checkout and the scripts'
-    calls of save_hf_format_safetensors are someone's hand edit, left alone."""
+    """One decision per file, and the writes that carry them out. With the state folder, ``targets`` are
+    the files it records; without it, utils.py first: when it holds no dsfix block, dsfix never patched
+    this checkout and the scripts' calls of save_hf_format_safetensors are someone's hand edit, left alone."""
     if saved is not None:
         results = [revert_with_state(saved, t.rel, t.data) for t in targets]
-    elif not has_residue(targets[0].data, targets[0].rel, "utils", ()):
+    elif not targets or not has_residue(targets[0].data, targets[0].rel, "utils", ()):
         results = [RevertOutcome(t.rel, None, Status.UNCHANGED) for t in targets]
     else:
         results = [revert_without_state(t, tpl_for, force) for t in targets]
@@ -343,4 +395,9 @@ def plan_revert(targets: list, saved: Saved | None, force: bool, tpl_for) -> Rev
             r.keep_as = r.rel + ".dsfix-edited"
             r.notes.append(f"--force: your version is kept as {r.keep_as}")
         refused = []
-    return RevertPlan(tuple(results), tuple(refused))
+    if refused:
+        return RevertPlan(tuple(results), tuple(refused))
+    current = {t.rel: t.data for t in targets}
+    kept = [(r.keep_as, current[r.rel]) for r in results if r.keep_as and current[r.rel] is not None]
+    restores = [(r.rel, r.new) for r in results if r.new is not None and r.new != current[r.rel]]
+    return RevertPlan(tuple(results), (), tuple(kept + restores), tuple(rel for rel, _ in restores))

@@ -1,6 +1,7 @@
 """Everything that touches the disk: reading targets, the lock, and one all-or-nothing commit.
 
 The state folder ``.dsfix/`` sits at the checkout root and ignores itself (its ``.gitignore`` says ``*``).
+This module is the only one that reads or writes it.
 It keeps, for each patched file, the original bytes and the bytes dsfix wrote, with their hashes, so
 ``revert`` can restore originals exactly and tell when a file was edited after ``apply``.
 
@@ -19,9 +20,10 @@ import errno
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.errors import LOCKED, DsfixError
+from patcher.errors import LOCKED, DsfixError, Written
 from patcher.patch.plan import Saved, sha256
 
 STATE_DIR = ".dsfix"
@@ -61,7 +63,6 @@ def lock(root: Path):
                 raise DsfixError(
                     "another dsfix run is changing this checkout right now; try again when it has finished",
                     code=LOCKED,
-                    path=str(root),
                 ) from None
             raise
         yield
@@ -70,6 +71,60 @@ def lock(root: Path):
 
 
 # ----------------------------------------------------------------------------- the state folder
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the last apply recorded besides the files: the options a later run without them uses again."""
+
+    root: Path  # the checkout folder that holds the state folder
+    main: str | None  # the step-1 script, relative to ``root``
+    scripts: tuple  # further step-1 scripts (--script), relative to ``root``
+    strategy: str | None
+    steps: tuple  # () when not recorded
+
+
+def find_root(repo: str | os.PathLike = ".") -> Path | None:
+    """The folder at or above ``repo`` whose state folder records an earlier apply, if any."""
+    start = Path(repo)
+    if not start.exists():
+        raise DsfixError("no such file or folder; pass a DeepSpeed-Chat checkout or a folder inside it",
+                         path=str(repo))
+    start = start.resolve()
+    for d in (start, *start.parents):
+        if (d / STATE_DIR / "state.json").is_file() or any(d.glob(f"{STATE_DIR}.old-*")):
+            return d
+    return None
+
+
+def _options(data: dict) -> tuple:
+    """(strategy, steps) from state.json; a state folder of an older dsfix has them only per file."""
+    entries = data.get("files") or {}
+    strategy = data.get("strategy") or next(
+        (e.get("strategy") for e in entries.values() if isinstance(e, dict) and e.get("role") == "utils"), None)
+    steps = data.get("steps")
+    if not steps:
+        roles = {e.get("role") for e in entries.values() if isinstance(e, dict)}
+        steps = [n for n in (1, 2, 3) if f"step{n}" in roles]
+    steps = tuple(sorted({int(n) for n in steps if int(n) in (1, 2, 3)}))
+    return (strategy if strategy in ("clone", "dedupe") else None), steps
+
+
+def recorded(repo: str | os.PathLike = ".") -> Record | None:
+    """The options the state folder at or above ``repo`` records; None when there is none or it cannot be
+    read (``load`` tells what is wrong with it when it matters)."""
+    root = find_root(repo)
+    return record_at(root) if root is not None else None
+
+
+def record_at(root: Path) -> Record | None:
+    """The options the state folder of the checkout ``root`` records, if it has one that can be read."""
+    try:
+        data = json.loads((root / STATE_DIR / "state.json").read_text("utf-8"))
+        strategy, steps = _options(data)
+        return Record(root, data.get("main"), tuple(data.get("scripts", ())), strategy, steps)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _orphans(root: Path, kind: str) -> list:
@@ -86,18 +141,36 @@ def recover(root: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def has_state(root: Path) -> bool:
+    """Whether ``root`` holds a state folder, or one a killed run moved aside."""
+    return (root / STATE_DIR / "state.json").is_file() or any(root.glob(f"{STATE_DIR}.old-*"))
+
+
+def recorded_scripts(root: Path) -> tuple | None:
+    """(step-1 script, [further scripts]) as the state folder records them, relative to ``root``, read without
+    checking the saved copies; None when there is no readable record."""
+    try:
+        data = json.loads((root / STATE_DIR / "state.json").read_text("utf-8"))
+        main, scripts = data["main"], list(data.get("scripts", ()))
+        if not all(isinstance(p, str) for p in (main, *scripts)):
+            raise TypeError("not a path")
+        return main, scripts
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def load(root: Path) -> Saved | None:
     """The state folder's content, each copy checked against its hash; None when there is none."""
     folder = root / STATE_DIR
     if folder.is_symlink():
-        raise DsfixError("the state folder is a symlink; refusing to use it", path=STATE_DIR)
+        raise DsfixError("the state folder is a symlink; refusing to use it", path=STATE_DIR + "/")
     if not (folder / "state.json").is_file():
         return None
     try:
         data = json.loads((folder / "state.json").read_text("utf-8"))
         if data.get("state_version", 1) > STATE_VERSION:
             raise DsfixError(f"the state folder was written by a newer dsfix (state version {data['state_version']}); "
-                             "revert with that version", path=STATE_DIR)
+                             "revert with that version", path=STATE_DIR + "/")
         entries, blobs = data["files"], {}
         for rel, entry in entries.items():
             for kind in ("original", "patched"):
@@ -105,10 +178,11 @@ def load(root: Path) -> Saved | None:
                 if sha256(blob) != entry[f"{kind}_sha256"]:
                     raise ValueError(f"{kind} copy of {rel} does not match its hash")
                 blobs[(rel, kind)] = blob
+        strategy, steps = _options(data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DsfixError(f"the state folder is damaged ({e}); move it away to revert structurally",
-                         path=STATE_DIR) from None
-    return Saved(entries, blobs, data.get("main"), tuple(data.get("scripts", ())))
+                         path=STATE_DIR + "/") from None
+    return Saved(entries, blobs, data.get("main"), tuple(data.get("scripts", ())), strategy, steps)
 
 
 def _build(folder: Path, saved: Saved) -> None:
@@ -116,22 +190,29 @@ def _build(folder: Path, saved: Saved) -> None:
     files = {".gitignore": b"# written by dsfix: this folder ignores itself\n*\n"}
     for (rel, kind), data in saved.blobs.items():
         files[f"{kind}/{rel}"] = data
-    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main, "scripts": list(saved.scripts)}
+    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main, "scripts": list(saved.scripts),
+              "strategy": saved.strategy, "steps": list(saved.steps)}
     files["state.json"] = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
     for name, data in files.items():
         p = folder / name
         p.parent.mkdir(parents=True, exist_ok=True)
-        with open(p, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    _fsync_dir(folder)
+        write_synced(p, data)
+    fsync_dir(folder)
 
 
 # ----------------------------------------------------------------------------- writing
 
 
-def _fsync_dir(path: Path) -> None:
+def write_synced(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` (created or truncated), flushed and fsynced before it returns."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so a rename in it lasts; where the system cannot, nothing."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -149,10 +230,7 @@ def _write_temp(target: Path, data: bytes) -> Path:
                 stale.unlink()
     tmp = target.parent / f".{target.name}.{os.getpid()}{TMP_SUFFIX}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, data)
         with contextlib.suppress(FileNotFoundError):
             os.chmod(tmp, target.stat().st_mode & 0o7777)
     except BaseException:
@@ -174,7 +252,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                 _build(new_dir, state)
             except OSError as e:
                 raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
-                                 path=STATE_DIR) from None
+                                 path=STATE_DIR + "/") from None
         for target, data in writes:
             try:
                 temps.append((target, _write_temp(target, data)))
@@ -189,7 +267,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                     os.replace(new_dir, folder)
             except OSError as e:
                 raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
-                                 path=STATE_DIR) from None
+                                 path=STATE_DIR + "/") from None
         for target, tmp in temps:
             old = target.read_bytes() if target.exists() else None
             try:
@@ -198,7 +276,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                 raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
             done.append((target, old))
         for target, _tmp in temps:
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
     except BaseException:
         for target, old in reversed(done):
             if old is None:
@@ -216,5 +294,6 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                 os.replace(old_dir, folder)
         shutil.rmtree(new_dir, ignore_errors=True)
         raise
+    Written.mark()  # every file is in place: an interrupt from here on leaves them written
     shutil.rmtree(old_dir, ignore_errors=True)
-    _fsync_dir(root)
+    fsync_dir(root)

@@ -17,17 +17,12 @@ import libcst as cst
 
 from patcher.errors import DsfixError
 from patcher.resources import resource_path
-from patcher.patch.names import PUBLIC_NAMES
+from patcher.patch.names import PUBLIC_NAMES, is_dsfix_name
 
 TEMPLATE_FILE = "save_safetensors.py"
 LOADER_FILE = "load_safetensors.py"
 STRATEGIES = ("clone", "dedupe")
 _STRATEGY_LINE = re.compile(r'^_DSFIX_STRATEGY = "[a-z]+"$', re.M)
-
-
-def is_dsfix_name(name: str) -> bool:
-    """Top-level names that belong to dsfix's inserted block, in any template version."""
-    return name in PUBLIC_NAMES or name.startswith("_dsfix_") or name.startswith("_DSFIX_")
 
 
 @dataclass(frozen=True)
@@ -149,7 +144,8 @@ def _ast_name(stmt) -> str | None:
     return None
 
 
-def _defined_name(stmt: cst.CSTNode) -> str | None:
+def defined_name(stmt: cst.CSTNode) -> str | None:
+    """The name a top-level statement defines (a function, a class, ``NAME = ...``), else None."""
     if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
         return stmt.name.value
     if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:

@@ -1,0 +1,62 @@
+"""What the torch side needs, checked before anything expensive: nothing here imports torch.
+
+``require`` looks the packages up with ``importlib.util.find_spec`` (no import: a few milliseconds) and ends
+a missing one in one line naming what to install (exit 2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from patcher.errors import DsfixError
+
+SMOKE_EXTRA = ("torch", "transformers", "safetensors")
+INSTALL_EXTRA = "pip install 'dsfix[smoke]'"
+INSTALL_DEEPSPEED = "DS_BUILD_OPS=0 pip install deepspeed"
+_NVIDIA = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version", "/dev/kfd")  # kfd: ROCm
+
+
+def missing(*modules: str) -> list:
+    """The top-level packages of ``modules`` that cannot be found."""
+    out = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def no_gpu_driver() -> bool:
+    """True when this machine plainly has no GPU driver (Linux: no NVIDIA or ROCm device node); elsewhere
+    False, and torch decides."""
+    return sys.platform.startswith("linux") and not any(os.path.exists(p) for p in _NVIDIA)
+
+
+def require(verb: str, *, deepspeed: str | None = None, cuda: bool = False) -> None:
+    """Raise DsfixError (exit 2) naming what to install when ``verb`` cannot run here.
+
+    ``deepspeed``: why DeepSpeed is needed (e.g. "--zero-stage 3"), or None when it is not.
+    ``cuda``: --device cuda was asked for."""
+    gone = missing(*SMOKE_EXTRA)
+    if gone:
+        raise DsfixError(f"dsfix {verb} needs {', '.join(gone)}, which this Python ({sys.executable}) lacks: "
+                         f"{INSTALL_EXTRA}")
+    if deepspeed and missing("deepspeed"):
+        drop = f" (or leave out {deepspeed})" if deepspeed.startswith("--") else ""
+        raise DsfixError(f"{deepspeed} needs DeepSpeed, which this Python lacks: {INSTALL_DEEPSPEED}{drop}")
+    if cuda and no_gpu_driver():
+        raise DsfixError("--device cuda, but this machine has no GPU driver; use --device cpu")
+
+
+def require_or_exit(verb: str, **kwargs) -> None:
+    """For the benchmark scripts: ``require``, ending in its one line and exit 2 instead of a traceback."""
+    try:
+        require(verb, **kwargs)
+    except DsfixError as e:
+        sys.stderr.write(f"{verb}: error: {e}\n")
+        raise SystemExit(e.code) from None

@@ -1,0 +1,239 @@
+"""The result protocol and the CLI's edges: one shape for every verb's JSON, exit codes per status, one error
+path (JSON too), --debug anywhere, check --stat/--quiet, revert outside a checkout, pre-checks. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patchkit import CLEAN_ENV, REPO, cli, copy_fixture, run, snapshot
+from patcher.checkpoint.convert import ConvertReport, ConvertStatus, FolderResult
+from patcher.checkpoint.smoke import SmokeReport
+from patcher.checkpoint.verify import Check, VerifyReport, VerifyResult
+from patcher.cli import stat_text
+from patcher.demo import STEPS, DemoResult, DemoRow
+from patcher.errors import ERROR, INTERRUPTED, LOCKED, OK, PENDING
+from patcher.patch.flow import FileReport, Outcome
+from patcher.patch.plan import Status
+from patcher.prereq import no_gpu_driver
+from patcher.report import COMMON_KEYS, ErrorResult
+
+# ----------------------------------------------------------------------------- the protocol, one row a case
+
+
+def _outcome(verb, *statuses):
+    return Outcome(verb, Path("/co"), "package", [FileReport(f"f{i}.py", s) for i, s in enumerate(statuses)],
+                   message="m")
+
+
+def _verify(*oks):
+    return VerifyResult("/out", tuple(VerifyReport(f"/out/{i}", ok, (Check("keys", ok, "d"),), 311)
+                                      for i, ok in enumerate(oks)))
+
+
+def _smoke(ok):
+    return SmokeReport(ok=ok, checks=(Check("save", ok, "d"),), timings={}, device="cpu", dtype="bf16",
+                       zero_stage=0, nproc=1, load_method="import", load_detail="import x", tensors=311)
+
+
+def _convert(*statuses):
+    return ConvertReport("/out", "clone", tuple(FolderResult(f"/out/{i}", s, s.exit_code == OK)
+                                                for i, s in enumerate(statuses)))
+
+
+def _demo(*oks):
+    return DemoResult(tuple(DemoRow(step, ok, "d", 0.1) for step, ok in zip(STEPS, oks)))
+
+
+RESULTS = [  # (id, result, exit code)
+    ("check pending", _outcome("check", Status.WOULD_CHANGE, Status.UNCHANGED), PENDING),
+    ("check nothing to do", _outcome("check", Status.UNCHANGED), OK),
+    ("apply changed", _outcome("apply", Status.CHANGED), OK),
+    ("revert restored", _outcome("revert", Status.RESTORED, Status.MERGED), OK),
+    ("revert refused", _outcome("revert", Status.RESTORED, Status.REFUSED), PENDING),
+    ("verify holds", _verify(True), OK),
+    ("verify failed", _verify(False), PENDING),
+    ("verify step 3, one failed", _verify(True, False, True), PENDING),
+    ("smoke passed", _smoke(True), OK),
+    ("smoke failed", _smoke(False), PENDING),
+    ("convert converted", _convert(ConvertStatus.CONVERTED, ConvertStatus.NOTHING), OK),
+    ("convert nothing", _convert(ConvertStatus.NOTHING), OK),
+    ("convert failed", _convert(ConvertStatus.NOT_WRITTEN, ConvertStatus.FAILED), PENDING),
+    ("demo passed", _demo(True, True, True, True), OK),
+    ("demo failed", _demo(True, True, False, True), PENDING),
+    ("demo cut short", _demo(True, True), PENDING),
+    ("error", ErrorResult("check", ERROR, "no such folder", path="x/utils.py", line=3), ERROR),
+    ("locked", ErrorResult("apply", LOCKED, "another dsfix run"), LOCKED),
+    ("interrupted", ErrorResult("revert", INTERRUPTED, "interrupted: nothing was written", kind="interrupted"),
+     INTERRUPTED),
+]
+
+
+@pytest.mark.parametrize("result,code", [r[1:] for r in RESULTS], ids=[r[0] for r in RESULTS])
+def test_every_result_has_the_common_keys_and_its_exit_code(result, code):
+    assert result.exit_code == code
+    data = json.loads(result.to_json())
+    assert tuple(data)[:4] == COMMON_KEYS
+    assert data["exit_code"] == code and data["verb"] == result.verb and isinstance(data["message"], str)
+    assert isinstance(data["warnings"], list)
+    assert data == json.loads(json.dumps(result.to_dict(), default=str)), "to_dict is JSON as it is"
+    status = getattr(result, "status", None)
+    assert status is None or isinstance(status, enum.Enum), "statuses are Enums"
+
+
+def test_every_verb_has_a_row():
+    assert {r[1].verb for r in RESULTS} == {"check", "apply", "revert", "verify", "smoke", "convert", "demo"}
+
+
+@pytest.mark.parametrize("status,code", [(ConvertStatus.CONVERTED, OK), (ConvertStatus.NOTHING, OK),
+                                         (ConvertStatus.FAILED, PENDING), (ConvertStatus.NOT_WRITTEN, PENDING)])
+def test_convert_status_exit_codes(status, code):
+    assert status.exit_code == code
+
+
+def test_verify_of_one_folder_keeps_its_keys_at_the_top():
+    data = _verify(True).to_dict()
+    assert data["ok"] is True and data["tensors"] == 311 and data["checks"][0]["name"] == "keys"
+    assert len(data["folders"]) == 1
+    assert "tensors" not in _verify(True, True).to_dict(), "several folders: each in folders"
+
+
+# ----------------------------------------------------------------------------- --stat
+
+
+STATS = [  # (rows, expected)
+    ([], ""),
+    ([("a.py", 0, 0)], ""),
+    ([("a.py", 3, 1)], " a.py | 4 +++-\n 1 file changed, 3 insertions(+), 1 deletion(-)\n"),
+    ([("utils.py", 1, 0), ("training/main.py", 2, 2)],
+     " utils.py         | 1 +\n training/main.py | 4 ++--\n 2 files changed, 3 insertions(+), 2 deletions(-)\n"),
+    ([("u.py", 0, 2)], " u.py | 2 --\n 1 file changed, 2 deletions(-)\n"),
+]
+
+
+@pytest.mark.parametrize("rows,expected", STATS)
+def test_stat_text(rows, expected):
+    assert stat_text(rows) == expected
+
+
+def test_stat_text_scales_long_bars_to_the_width():
+    text = stat_text([("utils.py", 400, 0), ("main.py", 6, 6)], width=60)
+    lines = text.splitlines()
+    assert all(len(line) <= 60 for line in lines)
+    assert lines[0].endswith("| 400 " + "+" * 44) and lines[1].endswith(" +-"), "a small change keeps one mark a side"
+
+
+# ----------------------------------------------------------------------------- check --stat / --quiet
+
+
+@pytest.mark.slow
+def test_check_stat_and_quiet_keep_the_exit_codes(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    code, out, err = cli("check", co, "--stat")
+    assert code == 1 and b"diff --git" not in out
+    assert b"dschat/utils/utils.py " in out and b" 2 files changed, " in out and b"insertions(+)" in out
+    assert "2 files would change" in err
+    assert cli("check", co, "--quiet") == (1, b"", "")
+    assert cli("apply", co, "-q") == (0, b"", "")
+    assert cli("check", co, "-q") == (0, b"", "")
+    code, out, _ = cli("check", co, "--stat")
+    assert code == 0 and out == b""
+    code, out, err = cli("revert", co, "--quiet", "--json")
+    assert code == 0 and err == "" and json.loads(out)["message"] == "2 files restored"
+
+
+# ----------------------------------------------------------------------------- one error path
+
+
+def test_json_error_names_the_file_and_line(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    utils = co / "dschat/utils/utils.py"
+    utils.write_bytes(utils.read_bytes() + b"\ndef broken(:\n")
+    before = snapshot(co)
+    code, out, err = cli("apply", co, "--json")
+    data = json.loads(out)
+    assert code == ERROR and data["exit_code"] == ERROR and data["verb"] == "apply"
+    assert data["error"]["path"] == "dschat/utils/utils.py" and isinstance(data["error"]["line"], int)
+    assert data["error"]["kind"] == "error" and err.startswith("dsfix: error: dschat/utils/utils.py:")
+    assert snapshot(co) == before
+
+
+@pytest.mark.parametrize("args", [("--debug", "check", "MISSING"), ("check", "MISSING", "--debug"),
+                                  ("check", "--debug", "MISSING", "--json")])
+def test_debug_anywhere_shows_a_traceback_and_keeps_the_exit_code(tmp_path, args):
+    args = [str(tmp_path / "nope") if a == "MISSING" else a for a in args]
+    code, out, err = cli(*args)
+    assert code == ERROR and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("dsfix: error: ")
+    if "--json" in args:
+        assert json.loads(out)["exit_code"] == ERROR
+
+
+def test_revert_outside_a_checkout_is_an_error(tmp_path):
+    (tmp_path / "notes.py").write_text("print('not a checkout')\n")
+    before = snapshot(tmp_path)
+    code, out, err = cli("revert", tmp_path, "--json")
+    assert code == ERROR and json.loads(out)["exit_code"] == ERROR and "no DeepSpeed-Chat checkout" in err
+    assert snapshot(tmp_path) == before
+    co = copy_fixture("package", tmp_path)
+    assert cli("revert", co)[0] == OK, "a checkout dsfix never patched: nothing to revert"
+
+
+# ----------------------------------------------------------------------------- pre-checks, before anything
+
+
+@pytest.mark.parametrize("missing,args,needle", [
+    ("safetensors", ("verify", "FOLDER"), "pip install 'dsfix[smoke]'"),
+    ("torch", ("convert", "FOLDER"), "pip install 'dsfix[smoke]'"),
+    ("transformers", ("smoke", "CO"), "pip install 'dsfix[smoke]'"),
+    ("transformers", ("demo",), "pip install 'dsfix[smoke]'"),
+    ("deepspeed", ("smoke", "CO", "--zero-stage", "3"), "DS_BUILD_OPS=0 pip install deepspeed"),
+    ("deepspeed", ("smoke", "CO", "--nproc", "2"), "--nproc 2 needs DeepSpeed"),
+])
+def test_a_missing_package_is_one_line_naming_what_to_install(tmp_path, monkeypatch, missing, args, needle):
+    co = copy_fixture("package", tmp_path / "c")
+    monkeypatch.setitem(sys.modules, missing, None)  # find_spec answers None, as for a package not installed
+    args = [str(tmp_path) if a == "FOLDER" else str(co) if a == "CO" else a for a in args]
+    code, out, err = cli(*args)
+    assert code == ERROR and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(not no_gpu_driver(), reason="this machine has a GPU driver")
+@pytest.mark.parametrize("args", [("smoke", "CO", "--device", "cuda"), ("demo", "--device", "cuda")])
+def test_cuda_asked_for_without_a_gpu_is_an_error_before_anything_runs(tmp_path, args):
+    co = copy_fixture("package", tmp_path / "c")
+    before = snapshot(co)
+    code, _, err = cli(*[str(co) if a == "CO" else a for a in args])
+    assert code == ERROR and "--device cuda" in err and "use --device cpu" in err
+    assert snapshot(co) == before
+
+
+# ----------------------------------------------------------------------------- a real process
+
+
+@pytest.mark.slow
+def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
+    p = run("check", tmp_path / "nope", "--json")
+    assert p.returncode == ERROR and json.loads(p.stdout)["error"]["kind"] == "error"
+    assert p.stderr.decode().startswith("dsfix: error: ") and b"Traceback" not in p.stderr
+    p = run("check", "--no-such-option", "--json")
+    assert p.returncode == ERROR and json.loads(p.stdout)["error"]["kind"] == "usage"
+    p = run("check", tmp_path / "nope", "--json", "--debug")
+    assert p.returncode == ERROR and json.loads(p.stdout)["verb"] == "check" and b"Traceback" in p.stderr
+
+
+@pytest.mark.parametrize("script,hidden,needle", [
+    ("bench_zero3.py", "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
+    ("bench_convert.py", "safetensors", "pip install 'dsfix[smoke]'"),
+    ("bench_save.py", "torch", "pip install 'dsfix[smoke]'"),
+])
+def test_benchmarks_check_what_they_need_first(script, hidden, needle):
+    code = (f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = [{script!r}, '--quick']; "
+            f"runpy.run_path({str(REPO / 'benchmarks' / script)!r}, run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], env=CLEAN_ENV, capture_output=True, timeout=60)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == ERROR and len(lines) == 1 and needle in lines[0], p.stderr.decode()[-2000:]

@@ -1,0 +1,96 @@
+"""The import graph: the patch path (patcher/patch, and the CLI on its way to check, apply and revert) never
+imports the torch side (patcher/checkpoint) nor torch, transformers, DeepSpeed or safetensors, which a plain
+``pip install dsfix`` does not install. Read statically from every file, then checked in a fresh process."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patcher import __version__
+
+PATCHER = Path(__file__).resolve().parent.parent / "patcher"
+FORBIDDEN = ("patcher.checkpoint", "torch", "transformers", "deepspeed", "safetensors")
+
+
+def imported_modules(path: Path, source: bytes = None) -> list:
+    """(line, module) of every import in a file, at any depth (inside functions too), relative ones resolved."""
+    package = ".".join(path.relative_to(PATCHER.parent).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_bytes() if source is None else source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            out += [(node.lineno, f"{base}.{a.name}" if a.name != "*" else base) for a in node.names]
+    return out
+
+
+def forbidden(module: str) -> bool:
+    return any(module == f or module.startswith(f + ".") for f in FORBIDDEN)
+
+
+PATCH_FILES = sorted(PATCHER.glob("patch/*.py"))
+
+
+def test_every_patch_module_is_checked():
+    names = {p.stem for p in PATCH_FILES}
+    assert {"locate", "resolve", "calls", "signature", "transforms", "plan", "state", "diff", "template", "names",
+            "flow"} <= names
+
+
+@pytest.mark.parametrize("path", PATCH_FILES, ids=[p.name for p in PATCH_FILES])
+def test_patch_modules_import_nothing_of_the_torch_side(path):
+    assert [f"{path.name}:{line}: {m}" for line, m in imported_modules(path) if forbidden(m)] == []
+
+
+IMPORT_CASES = [
+    # (source in a file of patcher/patch, what the reader finds, whether it is forbidden there)
+    ("import torch", "torch", True),
+    ("import torchvision", "torchvision", False),
+    ("from patcher.checkpoint import verify", "patcher.checkpoint.verify", True),
+    ("def f():\n    from transformers import AutoConfig", "transformers.AutoConfig", True),
+    ("from ..checkpoint import convert", "patcher.checkpoint.convert", True),
+    ("from . import calls", "patcher.patch.calls", False),
+    ("import deepspeed.ops as ops", "deepspeed.ops", True),
+    ("from safetensors.torch import save_file", "safetensors.torch.save_file", True),
+]
+
+
+@pytest.mark.parametrize("source, module, bad", IMPORT_CASES, ids=[c[0] for c in IMPORT_CASES])
+def test_the_reader_sees_every_form(source, module, bad):
+    found = imported_modules(PATCHER / "patch" / "probe.py", source.encode())
+    assert [(m, forbidden(m)) for _, m in found] == [(module, bad)]
+
+
+PROBE = """
+import json, sys
+import patcher.cli, patcher.patch.flow
+patch_path = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "deepspeed", "safetensors")
+                    or m.startswith("patcher.checkpoint"))
+import patcher.checkpoint.verify, patcher.checkpoint.convert, patcher.checkpoint.smoke, patcher.checkpoint.checks
+torch_side = sorted(m for m in ("torch", "transformers", "deepspeed", "safetensors") if m in sys.modules)
+print(json.dumps([patch_path, torch_side]))
+"""
+
+
+def test_a_fresh_process_on_the_patch_path_loads_none_of_it():
+    p = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=PATCHER.parent, timeout=120)
+    assert p.returncode == 0, p.stderr
+    patch_path, torch_side = json.loads(p.stdout)
+    assert patch_path == []
+    assert torch_side == []  # the torch side imports torch inside its functions, when a command needs it
+
+
+def test_python_dash_m_patcher_is_the_cli():
+    p = subprocess.run([sys.executable, "-m", "patcher", "--version"], capture_output=True, text=True,
+                       cwd=PATCHER.parent, timeout=120)
+    assert (p.returncode, p.stdout.strip()) == (0, f"dsfix {__version__}"), p.stderr
