@@ -154,7 +154,8 @@ def main():
                 entry["tensors"] = int(stdout.split()[-1])
             else:
                 lines = err.strip().splitlines() or ["?"]
-                entry["error"] = next((l for l in reversed(lines) if "Error" in l or "error:" in l), lines[-1]).strip()[:300]
+                at = max([i for i, l in enumerate(lines) if "Error" in l or "error:" in l] or [len(lines) - 1])
+                entry["error"] = " ".join(l.strip() for l in lines[at:at + 3])[:300]
             entry["written_mib"] = du_mib(out) if os.path.isdir(out) else 0.0
             results[key] = entry
             shutil.rmtree(out, ignore_errors=True)
