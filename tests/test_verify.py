@@ -227,3 +227,25 @@ def test_import_does_not_load_torch():
     code = "import sys, patcher.checkpoint.verify, patcher.checkpoint.smoke; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_cli_shows_no_third_party_progress_bar(tmp_path, model):
+    """from_pretrained on a sharded folder draws transformers' "Loading checkpoint shards" bar (5.x: "Loading
+    weights" on every load); dsfix verify's table is the output, nothing of theirs."""
+    from patchkit import run
+
+    sd = state(model)
+    keys = list(sd)
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    halves = {"model-00001-of-00002.safetensors": keys[:150], "model-00002-of-00002.safetensors": keys[150:]}
+    for name, ks in halves.items():
+        save_file({k: sd[k] for k in ks}, str(folder / name), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: n for n, ks in halves.items() for k in ks}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    model.config.to_json_file(str(folder / "config.json"))
+    p = run("verify", folder, "--expect", "311", timeout=300)
+    err = p.stderr.decode()
+    assert p.returncode == 0, err[-2000:]
+    assert "%|" not in err and "Loading" not in err and "Warning" not in err, err
+    assert err.rstrip().endswith("all checks hold: 311 tensors, causal LM (step-1 model, step-3 actor or EMA)")
