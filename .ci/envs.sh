@@ -109,4 +109,8 @@ if [ "$rc" -eq 5 ]; then
   echo "ci: the $which_env environment collected no tests" >&2
   exit 1
 fi
+if [ "$rc" -eq 0 ]; then
+  deactivate
+  rm -rf "$venv"  # the floor's torch brings 3 GB of CUDA libraries; a failed run keeps its environment to look into
+fi
 exit "$rc"
