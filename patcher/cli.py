@@ -13,7 +13,7 @@ from pathlib import Path
 
 from patcher.errors import interrupt_at_startup
 
-if Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
+if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
     interrupt_at_startup()
 
 import functools  # noqa: E402
@@ -167,6 +167,8 @@ def _interrupted_state(verb: str | None, params: dict) -> str:
     if verb == "revert":
         return "revert had finished: the files are restored" if done else \
             "files are as they were; the state folder is unchanged"
+    if verb == "convert" and params.get("output"):  # an engine checkpoint
+        return "the converted folder is in place" if done else "nothing was written"
     if verb == "convert":
         return ("the safetensors files are in place; .bin files not yet removed may remain" if done else
                 "every folder is as it was")
@@ -329,6 +331,13 @@ def _render_convert(report, opts: dict) -> None:
     from patcher.checkpoint.convert import ConvertStatus
     from patcher.checkpoint.verify import KIND_TEXT, checks_table
 
+    if not hasattr(report, "folders"):  # a DeepSpeed engine checkpoint (patcher.checkpoint.engine)
+        err.print(report.describe(), markup=False)
+        err.print(checks_table(report.checks, title=f"dsfix convert {report.path}"))
+        err.print(report.message, markup=False)
+        return
+    err.print(f"{report.path}: DeepSpeed-Chat .bin output (converted in place)", markup=False)
+
     for result in report.folders:
         if result.checks and (not result.ok or result.status is ConvertStatus.CONVERTED):
             err.print(checks_table(result.checks, title=f"dsfix convert {result.path}"))
@@ -428,23 +437,47 @@ def verify(
     return verify_path(folder, expect=expect, load=load)
 
 
+class OutDType(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
 @app.command()
 @_command
 def convert(
     folder: Path = typer.Argument(..., help="A DeepSpeed-Chat output folder with pytorch_model.bin (or a sharded .bin "
-                                            "index) and config.json, or a step-3 folder holding actor/, critic/, actor_ema/."),
+                                            "index) and config.json, a step-3 folder holding actor/, critic/, actor_ema/, "
+                                            "or a DeepSpeed engine checkpoint (latest + global_stepN/, or global_stepN/)."),
     strategy: Strategy = typer.Option(
         Strategy.clone, help="clone: a tied alias is written as its own copy, restored when the .bin lacks it "
         "(311 tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out (310)."
     ),
     remove_bin: bool = typer.Option(False, "--remove-bin", help="Remove the .bin files once the safetensors are in place."),
     load: bool = typer.Option(True, help="Also load the written folder (from_pretrained; a critic into its module)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Engine checkpoint: the model folder whose config.json, "
+                                          "generation config and tokenizer go with the weights."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Engine checkpoint: the folder to write (new or empty)."),
+    tag: Optional[str] = typer.Option(None, "--tag", help="Engine checkpoint: the step folder to read (default: latest)."),
+    dtype: OutDType = typer.Option(OutDType.auto, help="Engine checkpoint: the weights' dtype (auto: config.json's)."),
     as_json: bool = JSON_OPT,
 ):
-    """Turn .bin weights into a verified safetensors folder. Exit 0: converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused pickle."""
+    """Turn .bin weights or a DeepSpeed engine checkpoint into a verified safetensors folder. Exit 0: converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused pickle."""
     from patcher.prereq import require
 
     require("convert")
+    from patcher.checkpoint import engine
+
+    if engine.is_engine_checkpoint(folder):
+        if remove_bin:
+            raise DsfixError("--remove-bin is for .bin output folders; a DeepSpeed engine checkpoint is left as it is")
+        return engine.convert_engine(folder, config, output, tag=tag, dtype=dtype.value, strategy=strategy.value,
+                                     load=load, console=err.console)
+    given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag)) if v is not None]
+    if given or dtype is not OutDType.auto:
+        raise DsfixError(f"{', '.join(given) or '--dtype'} is for DeepSpeed engine checkpoints (latest + global_stepN/); "
+                         "this is not one: a .bin folder is converted in place", path=str(folder))
     from patcher.checkpoint.convert import convert as run_convert
 
     return run_convert(folder, strategy=strategy.value, remove_bin=remove_bin, load=load, console=err.console)
@@ -488,6 +521,9 @@ def demo(
 ):
     """Check, apply, smoke and revert on the bundled example checkout. Exit 0: every step passed, 1: one
     failed, 2: error (a missing requirement, say)."""
+    from patcher.prereq import require
+
+    require("demo", cuda=device is Device.cuda)  # before the patch path and torch are imported
     from patcher.demo import run_demo
 
     return run_demo(err.console, device=device.value, keep=keep, show_diff=not as_json)

@@ -107,6 +107,7 @@ def test_refused_fork_names_file_line_and_reason(tmp_path, name):
         assert code == 2, err
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("dsfix: error: "), err
+        assert len(lines[0]) <= 300 and str(top) not in lines[0], lines[0]
         assert meta["message"] in lines[0], lines[0]
         assert out == b""
         assert snapshot(top) == before, f"{verb} wrote nothing"
@@ -197,9 +198,10 @@ def test_unresolved_import_names_the_lines_and_why(tmp_path):
     assert len(line) <= 300, line
     code, out, err = cli("check", ".", "--json", cwd=cwd)
     data = json.loads(out)
-    assert code == 2 and data["exit_code"] == 2 and data["line"] == 6
-    assert data["path"] == "training/step1_supervised_finetuning/main.py"
-    assert any(d.startswith("line 6 `from dschat_old.utils.utils import") for d in data["detail"]), data
+    error = data["error"]
+    assert code == 2 and data["exit_code"] == 2 and error["line"] == 6
+    assert error["path"] == "training/step1_supervised_finetuning/main.py"
+    assert any(d.startswith("line 6 `from dschat_old.utils.utils import") for d in error["detail"]), data
 
 
 def test_zero3_save_without_a_config_save_warns(tmp_path):

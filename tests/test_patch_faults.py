@@ -152,7 +152,8 @@ def test_debug_shows_a_traceback_and_keeps_the_exit_code(tmp_path, where):
     args = ["check", tmp_path / "nope"]
     p = run(*(["--debug", *args] if where == "before" else [*args, "--debug"]))
     assert p.returncode == 2 and b"Traceback" in p.stderr
-    assert p.stderr.decode().rstrip().splitlines()[-1].startswith("dsfix: error: no such file or folder")
+    assert p.stderr.decode().rstrip().splitlines()[-1].endswith("nope: no such file or folder; pass a DeepSpeed-Chat "
+                                                                 "checkout or a folder inside it")
 
 
 # ----------------------------------------------------------------------------- faults while writing

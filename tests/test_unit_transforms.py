@@ -180,7 +180,7 @@ def test_switching_strategy_rewrites_the_block_where_it_stands():
     clone = patched(before).new
     dedupe = patched(clone, "dedupe")
     assert dedupe.new == clone.replace(b'"clone"', b'"dedupe"').replace(b"strategy=clone", b"strategy=dedupe")
-    assert dedupe.notes[0] == "upgraded dsfix's block from template v7 strategy clone to v7 strategy dedupe"
+    assert dedupe.notes[0] == "updates dsfix's block: strategy clone -> dedupe"
     assert transforms.unpatch_utils(plan.parse(dedupe.new, "utils.py")).code.encode() == before
 
 

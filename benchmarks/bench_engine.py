@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Benchmark ``dsfix convert`` of a DeepSpeed engine checkpoint against DeepSpeed's own ``zero_to_fp32``.
+
+Setup (not timed): 2 CPU ranks (gloo) build Qwen3-0.6B from the bundled config (random bf16 weights, tied
+embeddings), wrap it in a ZeRO-3 engine and call ``engine.save_checkpoint`` (``--steps`` training steps
+first, 0 by default: both tools read only the fp32 master weights, which the engine holds from the start).
+``--checkpoint DIR --model DIR`` skips the setup and uses a checkpoint and model folder that exist.
+
+Methods, each in its own process, one after another, every written file fsynced:
+
+  zero_to_fp32 .bin fp32          DeepSpeed's converter as the checkpoint's script runs it
+                                  (``convert_zero_checkpoint_to_fp32_state_dict``): pytorch_model.bin, fp32
+  zero_to_fp32 safetensors fp32   the same with ``--safe_serialization`` (fails on a tied model: "Some
+                                  tensors share memory"; timed until it fails)
+  zero_to_fp32 .bin bf16          ``convert_zero_checkpoint_to_state_dict(dtype=bfloat16)``
+  dsfix convert fp32              ``dsfix convert CKPT --config MODEL --output OUT --dtype fp32`` (clone, verified,
+                                  loaded with from_pretrained)
+  dsfix convert fp32 --no-load    the same without the load
+  dsfix convert bf16              ``--dtype bf16`` (the config's dtype)
+
+Peak memory is sampled from /proc/PID/status every 20 ms: VmRSS (all resident memory, mapped files
+included), RssAnon (the process's own) and RssFile (mapped file pages).
+
+    python benchmarks/bench_engine.py                     # full Qwen3-0.6B, ZeRO-3, 2 ranks
+    python benchmarks/bench_engine.py --checkpoint CKPT --model MODEL_DIR
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+FULL_CONFIG = os.path.join(REPO_ROOT, "fixtures", "models", "qwen3-0.6b", "config.json")
+MIB = 1024.0 * 1024.0
+
+Z2F = r'''
+import os, sys, torch
+from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+ckpt, out, dtype, safe = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+convert_zero_checkpoint_to_state_dict(ckpt, out, dtype=getattr(torch, dtype), safe_serialization=safe)
+for name in os.listdir(out):
+    fd = os.open(os.path.join(out, name), os.O_RDONLY); os.fsync(fd); os.close(fd)
+print("tensors %d" % len(torch.load(os.path.join(out, "pytorch_model.bin"), mmap=True, weights_only=True)))
+'''
+
+METHODS = (  # key, label, argv ({ckpt}, {model}, {out}), output dtype
+    ("z2f_fp32", "zero_to_fp32 .bin fp32", ["-c", Z2F, "{ckpt}", "{out}", "float32", "0"], "fp32"),
+    ("z2f_safe", "zero_to_fp32 --safe_serialization fp32", ["-c", Z2F, "{ckpt}", "{out}", "float32", "1"], "fp32"),
+    ("z2f_bf16", "zero_to_fp32 .bin bf16 (dtype=bfloat16)", ["-c", Z2F, "{ckpt}", "{out}", "bfloat16", "0"], "bf16"),
+    ("dsfix_fp32", "dsfix convert --dtype fp32",
+     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "fp32", "--json"], "fp32"),
+    ("dsfix_fp32_noload", "dsfix convert --dtype fp32 --no-load",
+     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "fp32", "--no-load",
+      "--json"], "fp32"),
+    ("dsfix_bf16", "dsfix convert --dtype bf16",
+     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16", "--json"], "bf16"),
+)
+
+
+def _status_kb(pid, fields):
+    out = dict.fromkeys(fields, 0)
+    try:
+        with open("/proc/%d/status" % pid) as handle:
+            for line in handle:
+                key = line.split(":")[0]
+                if key in out:
+                    out[key] = int(line.split()[1])
+    except OSError:
+        pass
+    return out
+
+
+def run_child(args, cwd):
+    """(wall s, {peak VmRSS, RssAnon, RssFile in MiB}, returncode, stdout, stderr tail)."""
+    env = dict(os.environ, NO_COLOR="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
+    fields = ("VmRSS", "RssAnon", "RssFile")
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable] + args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    peak = dict.fromkeys(fields, 0)
+    while proc.poll() is None:
+        now = _status_kb(proc.pid, fields)
+        peak = {k: max(peak[k], now[k]) for k in fields}
+        time.sleep(0.02)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - start
+    return wall, {k: v / 1024.0 for k, v in peak.items()}, proc.returncode, out, err[-2000:]
+
+
+def make_checkpoint(work, steps):
+    """2 CPU ranks save a ZeRO-3 engine checkpoint of full-size Qwen3-0.6B; returns (checkpoint, model folder)."""
+    from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group
+
+    launcher = deepspeed_launcher()
+    if launcher is None:
+        raise SystemExit("the deepspeed launcher is not installed")
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),
+           os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "engine_ckpt.py"), "--output_dir", work,
+           "--stages", "3", "--config", FULL_CONFIG, "--steps", str(steps), "--freeze", "", "--no_reference"]
+    env = rank_env(nproc=2)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([REPO_ROOT, env.get("PYTHONPATH", "")]))
+    code, output = run_group(cmd, env, 3600, cwd=REPO_ROOT)
+    if code != 0:
+        raise SystemExit("saving the checkpoint failed (%s):\n%s" % (code, output[-3000:]))
+    model = os.path.join(work, "model")
+    os.makedirs(model)
+    shutil.copyfile(FULL_CONFIG, os.path.join(model, "config.json"))
+    return os.path.join(work, "zero3"), model
+
+
+def du_mib(path):
+    return sum(os.path.getsize(os.path.join(h, n)) for h, _, names in os.walk(path) for n in names) / MIB
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default=None, help="an engine checkpoint folder (skips the setup)")
+    parser.add_argument("--model", default=None, help="with --checkpoint: the model folder for --config")
+    parser.add_argument("--steps", type=int, default=0, help="training steps before the save (setup)")
+    parser.add_argument("--tmpdir", default=None)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--methods", default=None, help="comma-separated keys of the methods to run (default: all): "
+                        + ", ".join(m[0] for m in METHODS))
+    args = parser.parse_args()
+    chosen = [m for m in METHODS if args.methods is None or m[0] in args.methods.split(",")]
+    from common import machine_facts
+
+    work = tempfile.mkdtemp(prefix="dsfix-bench-engine-", dir=args.tmpdir)
+    results = {}
+    try:
+        t = time.perf_counter()
+        if args.checkpoint:
+            ckpt, model = args.checkpoint, args.model
+        else:
+            ckpt, model = make_checkpoint(work, args.steps)
+        setup_s = time.perf_counter() - t
+        ckpt_mib = du_mib(ckpt)
+        for key, label, argv, dtype in chosen:
+            out = os.path.join(work, "out-" + key)
+            wall, peak, code, stdout, err = run_child(
+                [a.format(ckpt=ckpt, model=model, out=out) for a in argv], REPO_ROOT)
+            entry = {"label": label, "dtype": dtype, "wall_s": wall, "peak_mib": peak, "returncode": code}
+            if code == 0 and key.startswith("dsfix"):
+                entry["tensors"] = json.loads(stdout)["tensors"]
+            elif code == 0:
+                entry["tensors"] = int(stdout.split()[-1])
+            else:
+                lines = err.strip().splitlines() or ["?"]
+                at = max([i for i, l in enumerate(lines) if "Error" in l or "error:" in l] or [len(lines) - 1])
+                entry["error"] = " ".join(l.strip() for l in lines[at:at + 3])[:300]
+            entry["written_mib"] = du_mib(out) if os.path.isdir(out) else 0.0
+            results[key] = entry
+            shutil.rmtree(out, ignore_errors=True)
+            print("%-42s %7.1f s  peak RSS %6.0f MiB  %s" % (label, wall, peak["VmRSS"], entry.get("error", "")),
+                  file=sys.stderr, flush=True)
+    finally:
+        facts = machine_facts(work)
+        shutil.rmtree(work, ignore_errors=True)
+
+    print("## dsfix convert of a DeepSpeed engine checkpoint vs zero_to_fp32\n")
+    print("- command: `python benchmarks/bench_engine.py%s`" % ("" if not args.checkpoint else " --checkpoint CKPT --model MODEL"))
+    print("- checkpoint: %s, %.0f MiB (%s)" % ("Qwen3-0.6B (bundled config, random bf16 weights, tied), ZeRO-3, 2 CPU "
+                                             "ranks, %d training step(s)" % args.steps if not args.checkpoint else ckpt,
+                                             ckpt_mib, "saved in %.0f s, not timed" % setup_s))
+    print("- machine: %s" % facts)
+    print("- one run each, in its own process (imports included), every written file fsynced\n")
+    print("| method | dtype | wall s | tensors | written MiB | peak RSS MiB | peak RssAnon MiB | peak RssFile MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for key, label, _, _ in METHODS:
+        r = results.get(key)
+        if r is None:
+            continue
+        tensors = r.get("tensors", "failed")
+        print("| %s | %s | %.1f | %s | %.0f | %.0f | %.0f | %.0f |" % (
+            label, r["dtype"], r["wall_s"], tensors, r["written_mib"], r["peak_mib"]["VmRSS"],
+            r["peak_mib"]["RssAnon"], r["peak_mib"]["RssFile"]))
+    print()
+    for key, r in results.items():
+        if "error" in r:
+            print("- %s failed: %s" % (r["label"], r["error"]))
+
+    def ratio(a, b):
+        ra, rb = results.get(a), results.get(b)
+        if not ra or not rb or ra["returncode"] or rb["returncode"]:
+            return None
+        return ra["wall_s"] / rb["wall_s"], ra["peak_mib"]["VmRSS"] / rb["peak_mib"]["VmRSS"]
+
+    for a, b in (("dsfix_fp32", "z2f_fp32"), ("dsfix_fp32_noload", "z2f_fp32"), ("dsfix_bf16", "z2f_bf16")):
+        found = ratio(a, b)
+        if found:
+            print("- %s / %s: time %.2fx, peak RSS %.2fx" % (results[a]["label"], results[b]["label"], *found))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"results": results, "checkpoint_mib": ckpt_mib, "machine": facts}, handle, indent=2)
+    return 0 if all(r["returncode"] == 0 for k, r in results.items() if k != "z2f_safe") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
