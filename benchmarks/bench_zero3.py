@@ -158,7 +158,7 @@ def launch(world, args, work):
            "--config", args.config, "--rounds", str(args.rounds), "--methods", args.methods,
            "--bucket-mb", str(args.bucket_mb),
            "--work", work, "--result", result]
-    env = dict(rank_env(), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=common.REPO_ROOT)
+    env = dict(rank_env(nproc=world), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=common.REPO_ROOT)
     code, output = run_group(cmd, env, args.timeout)  # killed whole past the limit: the launcher and its ranks
     if code != 0 or not os.path.exists(result):
         how = "killed after %ds" % args.timeout if code is None else "exit %s" % code

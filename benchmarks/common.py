@@ -5,6 +5,7 @@ import platform
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,9 +45,13 @@ def build_model(config_path, device="cpu", seed=0):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if REPO_ROOT not in sys.path:  # run as a script: dsfix from this checkout
+        sys.path.insert(0, REPO_ROOT)
+    from patcher.checkpoint.verify import dtype_kwarg
+
     config = AutoConfig.from_pretrained(config_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, **{dtype_kwarg(): torch.bfloat16})
     model = model.to(torch.bfloat16).to_empty(device=device)
     model.tie_weights()  # to_empty makes a new Parameter per module
     inner = getattr(model, "model", None)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from patcher.errors import interrupt_at_startup
 
-if Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
+if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
     interrupt_at_startup()
 
 import functools  # noqa: E402
@@ -125,19 +125,21 @@ class DType(str, Enum):
 REPO_ARG = typer.Argument(".", help="The DeepSpeed-Chat folder, a DeepSpeedExamples checkout, or any folder inside.")
 JSON_OPT = typer.Option(False, "--json", help="Print a machine-readable result on stdout.")
 MAIN_OPT = typer.Option(
-    None, "--main", help="The step-1 script, where it is not training/step1_supervised_finetuning/main.py."
+    None, "--main", help="The step-1 script, where dsfix does not find it by itself (a path in the checkout, "
+    "else in the current folder)."
 )
 SCRIPT_OPT = typer.Option(
     [], "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py."
 )
 STRATEGY_OPT = typer.Option(
-    Strategy.clone, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
-    "dedupe: transformers' layout, the alias dropped (310)."
+    None, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
+    "dedupe: transformers' layout, the alias dropped (310). Default: as the last apply recorded, else clone.",
+    show_default=False,
 )
 STEPS_OPT = typer.Option(
-    "1", "--steps", metavar="LIST",
-    help="The DeepSpeed-Chat steps to patch, comma-separated: 1 (the default), 1,2 or 1,2,3. Listing 2 or 3 "
-    "also adapts step 3's critic loader (create_critic_model) to read safetensors.",
+    None, "--steps", metavar="LIST",
+    help="The DeepSpeed-Chat steps to patch, comma-separated: 1, 1,2 or 1,2,3. Default: as the last apply "
+    "recorded, else 1. Listing 2 or 3 also adapts step 3's critic loader (create_critic_model) to read safetensors.",
 )
 
 
@@ -194,13 +196,18 @@ def _fail(exc: BaseException, verb: str | None, as_json: bool, debug: bool, para
         code, kind = ERROR, "internal"
         bare = f"{type(exc).__name__}: {exc}"
         text = f"internal error: {bare}" + ("" if debug else " (run with --debug for a traceback)")
+    detail = exc.detail if isinstance(exc, DsfixError) else ()
+    if debug:
+        for entry in detail:
+            err.line(f"dsfix: detail: {entry}")
     if debug and kind in ("error", "internal"):
         import traceback
 
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     if as_json:
         shown = text[len("error: "):] if text.startswith("error: ") else text
-        result = ErrorResult(verb, code, shown, error=bare, path=str(path) if path else None, line=line, kind=kind)
+        result = ErrorResult(verb, code, shown, error=bare, path=str(path) if path else None, line=line, kind=kind,
+                             detail=tuple(detail))
         sys.stdout.write(result.to_json() + "\n")
         sys.stdout.flush()
     err.line(f"dsfix: {text}")
@@ -364,8 +371,8 @@ def _patch_command(verb: str, doc: str):
     @_command
     def command(
         repo: Path = REPO_ARG,
-        strategy: Strategy = STRATEGY_OPT,
-        steps: str = STEPS_OPT,
+        strategy: Optional[Strategy] = STRATEGY_OPT,
+        steps: Optional[str] = STEPS_OPT,
         main_script: Optional[Path] = MAIN_OPT,
         script: List[Path] = SCRIPT_OPT,
         as_json: bool = JSON_OPT,
@@ -374,7 +381,8 @@ def _patch_command(verb: str, doc: str):
     ):
         from patcher.patch import flow
 
-        return getattr(flow, verb)(repo, strategy.value, _steps(steps), main_script, script)
+        return getattr(flow, verb)(repo, strategy.value if strategy else None,
+                                   _steps(steps) if steps is not None else None, main_script, script)
 
     return command
 
@@ -513,6 +521,9 @@ def demo(
 ):
     """Check, apply, smoke and revert on the bundled example checkout. Exit 0: every step passed, 1: one
     failed, 2: error (a missing requirement, say)."""
+    from patcher.prereq import require
+
+    require("demo", cuda=device is Device.cuda)  # before the patch path and torch are imported
     from patcher.demo import run_demo
 
     return run_demo(err.console, device=device.value, keep=keep, show_diff=not as_json)

@@ -17,14 +17,19 @@ VERBS = ("check", "apply", "revert", "smoke", "verify", "convert", "demo")
 
 
 class DsfixError(Exception):
-    """A user-facing failure: one line of text and an exit code. Never a traceback."""
+    """A user-facing failure: one line of text and an exit code. Never a traceback.
 
-    def __init__(self, message: str, code: int = ERROR, path: str | None = None, line: int | None = None):
+    The line gives the reason first, then where (``path``, relative to the checkout, and ``line``), then what
+    to do; about 300 characters at most, long lists cut with "and N more" (see ``shown``)."""
+
+    def __init__(self, message: str, code: int = ERROR, path: str | None = None, line: int | None = None,
+                 detail=()):
         super().__init__(message)
         self.message = message
         self.code = code
         self.path = path
         self.line = line
+        self.detail = tuple(detail)  # the full story (every import line considered, say): --json and --debug only
 
     def __str__(self) -> str:
         where = ""
@@ -69,3 +74,10 @@ def _startup_handler(signum, frame):  # pragma: no cover - runs in a real proces
                      f'nothing was written", "path": null, "line": null}}}}\n').encode())
     os.write(2, b"dsfix: interrupted: nothing was written\n")
     os._exit(INTERRUPTED)
+
+
+def shown(items, limit: int = 3, sep: str = ", ") -> str:
+    """The first ``limit`` of ``items`` joined, and "and N more" for the rest: a list fit for one line."""
+    items = list(items)
+    text = sep.join(items[:limit])
+    return f"{text} and {len(items) - limit} more" if len(items) > limit else text

@@ -72,7 +72,8 @@ class ErrorResult(Result):
     line: int | None = None
     kind: str = "error"  # "error", "usage", "interrupted", "internal"
     warnings: tuple = ()
+    detail: tuple = ()  # the full story behind the one line (every import line considered, say)
 
     def body(self) -> dict:
         return {"error": {"kind": self.kind, "message": self.error or self.message, "path": self.path,
-                          "line": self.line}}
+                          "line": self.line, "detail": list(self.detail)}}

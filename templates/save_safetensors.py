@@ -19,9 +19,9 @@ _DSFIX_STRATEGY = "clone"
 _DSFIX_MAX_SHARD_SIZE = 5 * 1024**3
 _DSFIX_GATHER_BUCKET_MB = 256
 _DSFIX_TMP_SUFFIX = ".dsfix-tmp"
-_DSFIX_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",  # in the
+_DSFIX_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",
                  torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3",
-                 torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # file's order
+                 torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def save_hf_format_safetensors(model, tokenizer, args, sub_folder="", *, max_shard_size=None, strategy=None):
@@ -55,8 +55,8 @@ class _DsfixFile(NamedTuple):
 
 def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_shard_size=None, strategy=None,
                           gather_bucket_mb=None, drop=None):
-    """config.json, the tokenizer and the weights (under ZeRO-3, when every rank calls it with its
-    ``global_rank``). ``drop(name)``: leave that tensor out; None: upstream's rule, names with "lora" in them."""
+    """config.json, the tokenizer and the weights (under ZeRO-3 only if every rank calls it with its ``global_rank``).
+    ``drop(name)``: whether to leave a tensor out; None: upstream's rule, every name with "lora" in it."""
     module = _dsfix_unwrap(model)
     partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
     rank = global_rank or 0
@@ -72,7 +72,7 @@ def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_sh
 def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3, tokenizer=None,
                                  max_shard_size=None, strategy=None, gather_bucket_mb=None, drop=None,
                                  with_config=False):
-    """The weights on every rank, and the tokenizer (and config.json, ``with_config``) when given."""
+    """Every rank calls it: the weights, and the tokenizer (config.json too, ``with_config``) when given."""
     if global_rank is None:  # asks torch
         global_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     module = _dsfix_unwrap(model)
@@ -176,7 +176,7 @@ def _dsfix_buckets(tensors, bucket_mb):
 
 
 def _dsfix_files(tensors, limit, out_dir):
-    """Runs of tensors up to ``limit`` bytes, each laid out by dtype (larger first) then name: all aligned."""
+    """Runs of tensors up to ``limit`` bytes, each in _DSFIX_DTYPES' order (safetensors'), then by name."""
     groups, size, files = [], 0, []
     for t in tensors:
         if not groups or size + t.nbytes > limit:
@@ -188,7 +188,8 @@ def _dsfix_files(tensors, limit, out_dir):
         name = "model-%05d-of-%05d.safetensors" % (i + 1, len(groups)) if len(groups) > 1 else "model.safetensors"
         header, offsets, at = {"__metadata__": {"format": "pt"}}, {}, 0
         for t in sorted(group, key=lambda t: (list(_DSFIX_DTYPES).index(t.tensor.dtype), t.name)):
-            header[t.name] = {"dtype": _DSFIX_DTYPES[t.tensor.dtype], "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+            header[t.name] = {"dtype": _DSFIX_DTYPES[t.tensor.dtype], "shape": list(t.shape),
+                              "data_offsets": [at, at + t.nbytes]}
             offsets[t.name] = at
             at += t.nbytes
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -200,8 +201,7 @@ def _dsfix_files(tensors, limit, out_dir):
 
 def _dsfix_stream(files, buckets):
     """Gathers each bucket on every rank and writes the ``files``' tensors in it; returns the first error."""
-    home = dict((t.name, f) for f in files for t in f.tensors)
-    errors = []
+    home, errors = dict((t.name, f) for f in files for t in f.tensors), []  # each tensor's file; what failed
 
     def attempt(step, *args):  # after a failure the rest is skipped, but every bucket is still gathered
         try:

@@ -110,6 +110,14 @@ def quiet_console():
     return Console(file=io.StringIO(), stderr=True, width=160, color_system=None)
 
 
+def same_attention(model) -> dict:
+    """from_pretrained keywords that reload a folder with the attention ``model`` runs. transformers 4.51
+    writes ``_attn_implementation_autoset`` into config.json, after which a plain reload runs eager attention
+    where a model built in memory ran sdpa: logits then differ in the last bits (fp32) or more (bf16)."""
+    attn = getattr(model.config, "_attn_implementation", None)
+    return {"attn_implementation": attn} if attn else {}
+
+
 def narrow_model(dtype="float32", seed=0):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -132,7 +140,7 @@ def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
     cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(TRAINER),
            "--utils", str(utils or TEMPLATE), "--output_dir", str(tmp_path / "out"),
            "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
-    env = rank_env()
+    env = rank_env(nproc=nprocs)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     code, output = run_group(cmd, env, LAUNCH_TIMEOUT_S, cwd=str(REPO))
     if code is None:

@@ -136,6 +136,7 @@ def test_stat_text_scales_long_bars_to_the_width():
 # ----------------------------------------------------------------------------- check --stat / --quiet
 
 
+@pytest.mark.slow
 def test_check_stat_and_quiet_keep_the_exit_codes(tmp_path):
     co = copy_fixture("package", tmp_path)
     code, out, err = cli("check", co, "--stat")
@@ -219,6 +220,7 @@ def test_cuda_asked_for_without_a_gpu_is_an_error_before_anything_runs(tmp_path,
 # ----------------------------------------------------------------------------- a real process
 
 
+@pytest.mark.slow
 def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
     p = run("check", tmp_path / "nope", "--json")
     assert p.returncode == ERROR and json.loads(p.stdout)["error"]["kind"] == "error"

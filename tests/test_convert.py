@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from smokekit import NARROW, narrow_model  # noqa: E402
+from smokekit import NARROW, narrow_model, same_attention  # noqa: E402
 from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
 from patcher.checkpoint.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
@@ -97,10 +97,11 @@ def safetensors_state(folder):
     return state
 
 
-def reload_logits(folder):
+def reload_logits(folder, like):
+    """The logits of the reloaded folder, run with the attention ``like`` runs."""
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), **same_attention(like)).eval()
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     with torch.no_grad():
         return loaded(input_ids=PROBE).logits
@@ -142,7 +143,7 @@ def test_step1_save_converts_to_311_tensors_that_reload_with_equal_logits(tmp_pa
     for key, value in model.state_dict().items():
         assert torch.equal(state[key], value), key
     assert verify_folder(folder, expect=311).ok
-    assert torch.equal(reload_logits(folder), logits(model))
+    assert torch.equal(reload_logits(folder, model), logits(model))
 
 
 def test_zero3_save_gets_its_tied_lm_head_back(tmp_path, model):
@@ -158,7 +159,7 @@ def test_zero3_save_gets_its_tied_lm_head_back(tmp_path, model):
     assert convert(step1).ok
     # the restored alias makes the file byte-identical to the conversion of the 311-key rank-0 save
     assert (z3 / "model.safetensors").read_bytes() == (step1 / "model.safetensors").read_bytes()
-    assert torch.equal(reload_logits(z3), logits(model))
+    assert torch.equal(reload_logits(z3, model), logits(model))
 
 
 def test_dedupe_writes_transformers_layout_from_either_save(tmp_path, model):
@@ -172,7 +173,7 @@ def test_dedupe_writes_transformers_layout_from_either_save(tmp_path, model):
         assert "lm_head.weight" not in safetensors_state(folder)
         report = verify_folder(folder, expect=310)
         assert report.ok and "omitted tied alias lm_head.weight" in report.check("keys").detail
-        assert torch.equal(reload_logits(folder), logits(model))
+        assert torch.equal(reload_logits(folder, model), logits(model))
 
 
 def save_sharded_zero3_like(module, out, shards=3):
@@ -212,7 +213,7 @@ def test_sharded_bin_becomes_sharded_safetensors(tmp_path, model):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
     report = verify_folder(folder, expect=311)
     assert report.ok and report.files == tuple(files)
-    assert torch.equal(reload_logits(folder), logits(model))
+    assert torch.equal(reload_logits(folder, model), logits(model))
 
     folder, shards = save_sharded_zero3_like(model, tmp_path / "sharded-dedupe")
     (result,) = convert(folder, strategy="dedupe", load=False).folders
@@ -228,7 +229,7 @@ def test_transformers_sharded_bin_converts(tmp_path, model):
     (result,) = convert(folder).folders
     assert result.ok and result.tensors == 311 and len(result.written) == len(shards) + 1
     assert verify_folder(folder, expect=311).ok
-    assert torch.equal(reload_logits(folder), logits(model))
+    assert torch.equal(reload_logits(folder, model), logits(model))
 
 
 def test_a_zip_less_legacy_pickle_converts_without_mmap(tmp_path, model):
@@ -263,7 +264,7 @@ def test_zero3_on_two_cpu_ranks_then_convert(zero3_patched_run, tmp_path):
         assert torch.equal(state[key], value), key
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation=ref["attn_implementation"]).eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ref["probe"]).logits, ref["logits"])
 
@@ -333,7 +334,7 @@ def test_step3_output_folder_converts_and_verifies_each_model(tmp_path, model, c
     assert verified["ok"] and [f["kind"] for f in verified["folders"]] == ["causal-lm", "critic", "causal-lm"]
     assert b"reward/critic model" in p.stderr
     for name in ("actor", "actor_ema"):
-        assert torch.equal(reload_logits(out / name), logits(model))
+        assert torch.equal(reload_logits(out / name, model), logits(model))
 
     # a second run has nothing to do
     code, stdout, _ = cli("convert", out, "--json")

@@ -109,9 +109,12 @@ def test_strategy_dedupe_and_switching_strategy_upgrades_in_place(tmp_path):
     assert cli("apply", co, "--strategy", "dedupe")[0] == 0
     utils = (co / "dschat/utils/utils.py").read_bytes()
     assert b'_DSFIX_STRATEGY = "dedupe"' in utils and b"strategy=dedupe" in utils
-    code, diff, _ = cli("check", co)  # default strategy is clone: one block, changed in place
+    assert cli("check", co)[0] == 0, "a plain check keeps the recorded strategy"
+    code, diff, err = cli("check", co, "--strategy", "clone")  # one block, changed in place
     assert code == 1 and b'-_DSFIX_STRATEGY = "dedupe"' in diff and b'+_DSFIX_STRATEGY = "clone"' in diff
-    assert cli("apply", co)[0] == 0
+    assert "strategy dedupe -> clone" in err and "added imports" not in err, err
+    assert cli("apply", co, "--strategy", "clone")[0] == 0
+    assert cli("check", co)[0] == 0, "the new strategy is recorded"
     utils = (co / "dschat/utils/utils.py").read_bytes()
     assert utils.count(b"def save_hf_format_safetensors(") == 1
     assert utils.count(b"from safetensors import safe_open") == 1
@@ -232,8 +235,8 @@ def test_main_py_forms_seen_in_forks(tmp_path):
     assert 'u.save_hf_format_safetensors(model, tokenizer, args, "best")' in main
     assert "save_zero_three_model_safetensors as save_z3,  # gathers under ZeRO-3" in main
     assert "save_z3(model, args.global_rank" in main
-    assert "    save_hf_format,\n    save_hf_format_safetensors,\n" in main  # still used as a value
-    assert '{"save": save_hf_format}' in main
+    assert "    save_hf_format_safetensors,\n" in main and "    save_hf_format,\n" not in main
+    assert '{"save": save_hf_format_safetensors}' in main  # a use as a value is rewritten too
 
 
 @pytest.mark.slow

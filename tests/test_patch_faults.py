@@ -152,7 +152,8 @@ def test_debug_shows_a_traceback_and_keeps_the_exit_code(tmp_path, where):
     args = ["check", tmp_path / "nope"]
     p = run(*(["--debug", *args] if where == "before" else [*args, "--debug"]))
     assert p.returncode == 2 and b"Traceback" in p.stderr
-    assert p.stderr.decode().rstrip().splitlines()[-1].startswith("dsfix: error: no such file or folder")
+    assert p.stderr.decode().rstrip().splitlines()[-1].endswith("nope: no such file or folder; pass a DeepSpeed-Chat "
+                                                                 "checkout or a folder inside it")
 
 
 # ----------------------------------------------------------------------------- faults while writing
@@ -198,7 +199,7 @@ def test_state_folder_that_cannot_be_written(tmp_path, monkeypatch):
 
 
 def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkeypatch):
-    """apply --strategy dedupe, then an apply (clone) whose write of utils.py fails: nothing changes, the
+    """apply --strategy dedupe, then an apply --strategy clone whose write of utils.py fails: nothing changes, the
     state folder included, and revert still restores the original."""
     from patcher.patch import state
 
@@ -214,7 +215,7 @@ def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkey
         return real(src, dst)
 
     monkeypatch.setattr(state.os, "replace", failing)
-    code, _, err = cli("apply", co)
+    code, _, err = cli("apply", co, "--strategy", "clone")
     assert code == 2 and "No space left on device" in err
     assert snapshot(co) == before, "targets and state folder as they were"
     monkeypatch.setattr(state.os, "replace", real)

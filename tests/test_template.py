@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from patcher.checkpoint.verify import dtype_kwarg
+from smokekit import same_attention
 from templates import save_safetensors as T
 
 pytestmark = pytest.mark.slow  # torch models saved and reloaded
@@ -46,10 +48,12 @@ def _probe():
     return torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(3))
 
 
-def _load(folder, **kwargs):
+def _load(folder, like=None, **kwargs):
+    """from_pretrained(folder); with ``like``, with the attention that model runs (to compare logits)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(str(folder), **(same_attention(like) if like is not None else {}),
+                                                **kwargs).eval()
 
 
 class _Holder(torch.nn.Module):
@@ -170,7 +174,7 @@ def test_clone_round_trip_reproduces_logits_and_ties(tmp_path, tiny_qwen3, tiny_
     for key, value in tiny_qwen3.state_dict().items():
         assert torch.equal(loaded[key], value), key
 
-    reloaded = _load(out)
+    reloaded = _load(out, like=tiny_qwen3)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(reloaded(_probe()).logits, tiny_qwen3(_probe()).logits)
@@ -188,7 +192,7 @@ def test_dedupe_writes_310_like_save_pretrained(tmp_path, tiny_qwen3, tiny_qwen3
     ref = tmp_path / "ref"
     tiny_qwen3.save_pretrained(str(ref))
     assert set(keys) == set(_file_keys(ref / "model.safetensors"))
-    reloaded = _load(tmp_path)
+    reloaded = _load(tmp_path, like=tiny_qwen3)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(reloaded(_probe()).logits, tiny_qwen3(_probe()).logits)
@@ -210,13 +214,23 @@ def test_dtypes_round_trip(tmp_path, tiny_qwen3_helper, tiny_qwen3_tokenizer, dt
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {name}
     loaded = load_file(str(tmp_path / "model.safetensors"))
     assert all(loaded[k].dtype == dtype and torch.equal(loaded[k], v) for k, v in model.state_dict().items())
-    assert _load(tmp_path, dtype=dtype).lm_head.weight.dtype == dtype
+    assert _load(tmp_path, **{dtype_kwarg(): dtype}).lm_head.weight.dtype == dtype
     # The in-memory model was cast with .to(dtype), which also casts the rotary inv_freq buffer;
     # build the reloaded one the same way so that the logits can be compared exactly.
-    reloaded = _load(tmp_path).to(dtype)
+    reloaded = _load(tmp_path, like=model).to(dtype)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    if not _cpu_matmul(dtype):  # torch 2.1 has no float16 matmul on a CPU: run both from the same bits in fp32
+        model, reloaded = model.float(), reloaded.float()
     with torch.no_grad():
         assert torch.equal(reloaded(_probe()).logits, model(_probe()).logits)
+
+
+def _cpu_matmul(dtype):
+    try:
+        torch.ones(2, 2, dtype=dtype) @ torch.ones(2, 2, dtype=dtype)
+    except RuntimeError:
+        return False
+    return True
 
 
 def test_wrappers_are_unwrapped(tmp_path, tiny_qwen3):
@@ -246,7 +260,7 @@ def test_sharded_output_loads(tmp_path, tiny_qwen3, capsys):
         total += size
     assert index["metadata"]["total_size"] == total
     assert sum(len(_file_keys(tmp_path / s)) for s in shards) == QWEN3_KEYS
-    reloaded = _load(tmp_path)
+    reloaded = _load(tmp_path, like=tiny_qwen3)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(reloaded(_probe()).logits, tiny_qwen3(_probe()).logits)

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow  # ZeRO-3 ranks
 
 pytest.importorskip("deepspeed")
 
+from patcher.checkpoint.verify import dtype_kwarg  # noqa: E402
 from smokekit import run_trainer  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +55,8 @@ def _check_against_reference(tmp_path, expected_keys, dtype):
         assert torch.equal(value, reference[key]), key
     assert set(reference) - set(tensors) <= {"lm_head.weight"}
 
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation=ref["attn_implementation"],
+                                                 **{dtype_kwarg(): dtype}).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     for key, value in model.state_dict().items():
         assert torch.equal(value, reference[key]), key

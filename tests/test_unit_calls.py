@@ -78,7 +78,8 @@ CASES = [
     ("nested call in an argument", IMPORT + "print(save_hf_format(m, t, a))\n", ["2: save_hf_format"]),
     ("call under if and with", IMPORT + "if rank == 0:\n    with ctx:\n        save_hf_format(m, t, a)\n",
      ["4: save_hf_format"]),
-    ("star import is not tracked", "from dschat.utils.utils import *\nsave_hf_format(m, t, a)\n", []),
+    ("a star import brings the tracked names", "from dschat.utils.utils import *\nsave_hf_format(m, t, a)\n",
+     ["2: save_hf_format"]),
     ("dsfix's name is not upstream's", "from dschat.utils.utils import save_hf_format_safetensors\n"
      "save_hf_format_safetensors(m, t, a)\n", []),
 ]

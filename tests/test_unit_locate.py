@@ -66,15 +66,16 @@ def test_find_checkout(tmp_path, files, start, expected):
 
 REFUSED = [
     # (name, files, where dsfix starts, what the error says)
-    ("no checkout at all", {"README.md": "hello\n"}, ".", "no DeepSpeed-Chat checkout at or above"),
+    ("no checkout at all", {"README.md": "hello\n"}, ".", "no DeepSpeed-Chat checkout here or above"),
     ("utils.py but no step-1 main.py", {k: v for k, v in PACKAGE.items() if k != STEP1}, ".",
-     "no step-1 training/step1_supervised_finetuning/main.py in this DeepSpeed-Chat checkout"),
+     "no training/step1_supervised_finetuning/main.py and no other step1_supervised_finetuning/main.py that "
+     "calls the save functions"),
     ("several DeepSpeed-Chat folders below", {**under("a", PACKAGE), **under("b", PACKAGE)}, ".",
-     "several DeepSpeed-Chat folders below"),
+     "2 DeepSpeed-Chat folders below this one (a, b); run dsfix on one of them"),
     ("step 1 imports no save function", {**PACKAGE, STEP1: "import os\nprint(os.sep)\n"}, ".",
      "imports neither save_hf_format nor a module that defines it"),
     ("step 1 imports a module that is not there", {**PACKAGE, STEP1: "from nowhere.utils import save_hf_format\n"},
-     ".", "no import resolves to a utils.py that defines save_hf_format: line 1"),
+     ".", "main.py:1: no import resolves to a utils.py that defines save_hf_format: nowhere.utils"),
     ("step 1 does not parse", {**PACKAGE, STEP1: "def (:\n"}, ".", "does not parse"),
 ]
 
@@ -90,7 +91,7 @@ def test_find_checkout_refuses(tmp_path, files, start, message):
 def test_a_missing_folder_is_refused(tmp_path):
     with pytest.raises(DsfixError) as e:
         find_checkout(tmp_path / "nope")
-    assert e.value.message == f"no such file or folder: {tmp_path / 'nope'}"
+    assert e.value.message.startswith("no such file or folder") and str(tmp_path / "nope") in str(e.value)
 
 
 def test_main_names_the_step1_script_of_a_layout_without_one(tmp_path):

@@ -28,9 +28,9 @@ RENAMES = [
      "from dschat.utils.utils import (\n    print_rank_0,\n    save_hf_format_safetensors,  # the save\n"
      "    save_zero_three_model_safetensors,\n)\n"
      "save_hf_format_safetensors(m, t, a)\nsave_zero_three_model_safetensors(m, r, d, zero_stage=3)\n"),
-    ("the old name still read elsewhere keeps its import",
+    ("the old name stored elsewhere is renamed too",
      "from dschat.utils.utils import save_hf_format\nf = save_hf_format\nsave_hf_format(m, t, a)\n",
-     "from dschat.utils.utils import save_hf_format, save_hf_format_safetensors\nf = save_hf_format\n"
+     "from dschat.utils.utils import save_hf_format_safetensors\nf = save_hf_format_safetensors\n"
      "save_hf_format_safetensors(m, t, a)\n"),
     ("an import alias: the import is renamed, the call is not",
      "from dschat.utils.utils import save_hf_format, save_zero_three_model as save_z3\n"
@@ -180,7 +180,7 @@ def test_switching_strategy_rewrites_the_block_where_it_stands():
     clone = patched(before).new
     dedupe = patched(clone, "dedupe")
     assert dedupe.new == clone.replace(b'"clone"', b'"dedupe"').replace(b"strategy=clone", b"strategy=dedupe")
-    assert dedupe.notes[0] == "upgraded dsfix's block from template v7 strategy clone to v7 strategy dedupe"
+    assert dedupe.notes[0] == "updates dsfix's block: strategy clone -> dedupe"
     assert transforms.unpatch_utils(plan.parse(dedupe.new, "utils.py")).code.encode() == before
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from smokekit import FULL, NARROW, narrow_model  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patcher.checkpoint.verify import VerifyReport, verify_folder  # noqa: E402
+from patcher.checkpoint.verify import VerifyReport, tie_on_load_check, verify_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,32 @@ def test_accepts_a_correct_folder_with_311_tensors(tmp_path, model):
     assert "lm_head.weight == model.embed_tokens.weight" in report.check("tied").detail
     data = json.loads(report.to_json())
     assert data["ok"] is True and data["tensors"] == 311 and len(data["checks"]) == 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_tied,loaded_tied,fails", [
+    (True, True, False),    # 4.x and 5.4+ re-tie a clone output, and every version ties a dedupe output
+    (True, False, True),    # transformers 5.0-5.3 on a clone output: "we will NOT tie them"
+    (False, False, False),  # a model saved untied on purpose
+])
+def test_a_config_that_says_tied_must_load_tied(tmp_path, config_tied, loaded_tied, fails):
+    folder = write_folder(tmp_path / "f", narrow_model("float32", seed=0))
+    if not config_tied:
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=False)))
+    from patcher.checkpoint.verify import load_check
+
+    check, loaded = load_check(folder, keep_model=True)
+    assert check.ok, check.detail
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == config_tied
+    if config_tied and not loaded_tied:  # what those releases hand back: equal values, two matrices
+        loaded.lm_head.weight = torch.nn.Parameter(loaded.lm_head.weight.detach().clone())
+    result = tie_on_load_check(loaded)
+    assert (result is not None) == fails
+    if fails:
+        assert not result.ok and result.name == "load"
+        assert "tie_word_embeddings" in result.detail and "--strategy dedupe" in result.detail
+        assert ">= 5.4" in result.detail and len(result.detail) <= 300
 
 
 def test_accepts_save_pretrained_without_the_tied_alias(tmp_path, model):
@@ -201,3 +227,25 @@ def test_import_does_not_load_torch():
     code = "import sys, patcher.checkpoint.verify, patcher.checkpoint.smoke; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_cli_shows_no_third_party_progress_bar(tmp_path, model):
+    """from_pretrained on a sharded folder draws transformers' "Loading checkpoint shards" bar (5.x: "Loading
+    weights" on every load); dsfix verify's table is the output, nothing of theirs."""
+    from patchkit import run
+
+    sd = state(model)
+    keys = list(sd)
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    halves = {"model-00001-of-00002.safetensors": keys[:150], "model-00002-of-00002.safetensors": keys[150:]}
+    for name, ks in halves.items():
+        save_file({k: sd[k] for k in ks}, str(folder / name), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: n for n, ks in halves.items() for k in ks}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    model.config.to_json_file(str(folder / "config.json"))
+    p = run("verify", folder, "--expect", "311", timeout=300)
+    err = p.stderr.decode()
+    assert p.returncode == 0, err[-2000:]
+    assert "%|" not in err and "Loading" not in err and "Warning" not in err, err
+    assert err.rstrip().endswith("all checks hold: 311 tensors, causal LM (step-1 model, step-3 actor or EMA)")

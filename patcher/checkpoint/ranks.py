@@ -4,9 +4,9 @@ and the ZeRO-3 benchmark.
 - :func:`free_port`, :func:`deepspeed_launcher` and :func:`run_group` (launcher side): a port for the
   rendezvous, the ``deepspeed`` launcher of this Python, and a run in a process group of its own that is
   killed whole on a timeout or an interruption, so that no rank outlives it.
-- :func:`rank_env` (launcher side, CPU): DeepSpeed's CPU accelerator, no CUDA, and gloo on the loopback
-  interface. All ranks run on one machine, so gloo need not resolve the host name, which a sandbox or a
-  container may not map to a usable address.
+- :func:`rank_env` (launcher side, CPU): DeepSpeed's CPU accelerator told the number of ranks (so no
+  ``numactl`` is needed), no CUDA, and gloo on the loopback interface. All ranks run on one machine, so
+  gloo need not resolve the host name, which a sandbox or a container may not map to a usable address.
 - :func:`skip_shm_allreduce` (rank side, before ``deepspeed.init_distributed``): DeepSpeed's CPU backend
   otherwise compiles a C++ shared-memory all-reduce the first time a process group starts. That takes a
   compiler and about 40 s on a fresh machine, waits forever on the build's lock file if an earlier run was
@@ -58,10 +58,16 @@ def run_group(cmd: list, env: dict, timeout: float, cwd=None) -> tuple:
             proc.wait()
 
 
-def rank_env(base: dict | None = None) -> dict:
-    """A copy of ``base`` (default: this process's environment) for CPU ranks."""
+def rank_env(base: dict | None = None, nproc: int | None = None) -> dict:
+    """A copy of ``base`` (default: this process's environment) for ``nproc`` CPU ranks.
+
+    LOCAL_SIZE is the number of ranks on this machine, which DeepSpeed's CPU accelerator reports as its
+    device count. Without it the accelerator counts NUMA nodes with ``numactl --hardware``, and DeepSpeed
+    before 0.16 fails in its launcher where numactl is not installed."""
     env = dict(os.environ if base is None else base)
     env["DS_ACCELERATOR"] = "cpu"
+    if nproc is not None:
+        env["LOCAL_SIZE"] = str(nproc)
     env["CUDA_VISIBLE_DEVICES"] = ""
     if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")

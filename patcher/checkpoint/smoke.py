@@ -154,7 +154,7 @@ def _prepare_out(keep) -> tuple[Path, Optional[Path]]:
 
 
 def _worker_env(device: str, nproc: int) -> dict:
-    env = rank_env() if device == "cpu" else dict(os.environ)
+    env = rank_env(nproc=nproc) if device == "cpu" else dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -470,7 +470,13 @@ def _reload_checks(spec: dict, device: str) -> list:
 
     ref_path = Path(spec["work_dir"]) / "reference.safetensors"
     tdtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[spec["dtype"]])
-    check, model = load_check(spec["out_dir"], dtype=tdtype, keep_model=True)
+    attn = None
+    if ref_path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(ref_path), framework="pt") as handle:
+            attn = (handle.metadata() or {}).get("attn_implementation")
+    check, model = load_check(spec["out_dir"], dtype=tdtype, keep_model=True, attn_implementation=attn)
     out = [check]
     if model is None or not check.ok:  # the load row says why; a logits row would not apply
         return out

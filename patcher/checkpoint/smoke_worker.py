@@ -276,8 +276,11 @@ def run_rank(spec: dict) -> dict:
             if rank == 0:
                 from safetensors.torch import save_file
 
+                # The attention the logits came from: the reload must run the same one (transformers 4.51
+                # writes _attn_implementation_autoset into config.json, and a plain reload then runs eager).
+                attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
                 save_file({"input_ids": ids.cpu().contiguous(), "logits": logits.detach().cpu().contiguous()},
-                          str(work_dir / REF_FILE))
+                          str(work_dir / REF_FILE), metadata={"attn_implementation": str(attn)} if attn else None)
             if engine is not None and int(spec["zero_stage"]) == 3:
                 # A no-grad forward leaves ZeRO-3 parameters gathered until the next step; partition them
                 # again, so the save sees what it sees after training: [0]-shaped placeholders.

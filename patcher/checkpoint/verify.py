@@ -313,8 +313,10 @@ def _equal_in_files(folder: Path, head: Header, a: str, b: str, chunk_bytes: int
     return True
 
 
-def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
-    """(Check, model or None): ``from_pretrained(path)`` loads with no missing, unexpected or mismatched keys."""
+def load_check(path, *, dtype=None, device=None, keep_model: bool = False, attn_implementation=None):
+    """(Check, model or None): ``from_pretrained(path)`` loads with no missing, unexpected or mismatched keys,
+    and a config that says tied loads tied (see :func:`tie_on_load_check`). ``attn_implementation`` is passed
+    on when given: smoke compares logits with the attention the in-memory model ran."""
     import logging
 
     from transformers import AutoModelForCausalLM
@@ -323,6 +325,8 @@ def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
     kwargs: dict = {"output_loading_info": True}
     if dtype is not None:
         kwargs[dtype_kwarg()] = dtype
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)
     try:
@@ -339,9 +343,39 @@ def load_check(path, *, dtype=None, device=None, keep_model: bool = False):
             problems.append(f"{key.replace('_', ' ')}: {examples(vals)}")
     if problems:
         return Check("load", False, "from_pretrained: " + "; ".join(problems)), (model if keep_model else None)
+    untied = tie_on_load_check(model)
+    if untied is not None:
+        return untied, (model if keep_model else None)
     if device is not None:
         model = model.to(device)
     return Check("load", True, "from_pretrained: no missing, unexpected or mismatched keys"), (model if keep_model else None)
+
+
+def tie_on_load_check(model) -> Optional[Check]:
+    """A failed "load" check when the config says ``tie_word_embeddings`` but the loaded model's output
+    embedding is a matrix of its own, else None.
+
+    transformers 5.0 to 5.3 load a folder that stores both ``lm_head.weight`` and the embedding (dsfix's
+    default clone output) untied: equal values, but two matrices that a further training step updates
+    apart. 4.x and 5.4+ tie them again; a folder without the alias (``--strategy dedupe``) loads tied
+    everywhere."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return None
+    try:
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if inp is None or out is None or getattr(out, "weight", None) is None:
+        return None
+    if out.weight is inp.weight or out.weight.data_ptr() == inp.weight.data_ptr():
+        return None
+    import transformers
+
+    return Check("load", False, f"config.json says tie_word_embeddings, but transformers {transformers.__version__} "
+                                "loaded lm_head untied (a further training step would update two matrices): save with "
+                                "--strategy dedupe (dsfix apply or convert), or load with transformers >= 5.4")
 
 
 def critic_load_check(path, head: Optional[Header] = None) -> Check:
@@ -415,10 +449,14 @@ def same_bits(a, b) -> bool:
     return torch.equal(a.detach().reshape(-1).view(as_int), b.detach().reshape(-1).view(as_int))
 
 
-def dtype_kwarg() -> str:
-    """transformers 4.56+ renamed from_pretrained's ``torch_dtype`` to ``dtype``."""
-    import transformers
+def dtype_kwarg(version: Optional[str] = None) -> str:
+    """The keyword that ``from_pretrained``/``from_config`` of transformers ``version`` (default: the installed
+    one) read the dtype from: ``dtype`` from 4.56 on, ``torch_dtype`` before (4.51 hands ``dtype`` to the
+    model's constructor: a TypeError; later releases warn that ``torch_dtype`` is deprecated). Both go through
+    ``**kwargs``, so the signature cannot tell: ask the version."""
+    if version is None:
+        import transformers
 
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+        version = transformers.__version__
+    major, minor = (int(x) for x in version.split(".")[:2])
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-

@@ -47,6 +47,19 @@ class SaveCall:
     containers: tuple = ()  # ids of the enclosing function and loop nodes, innermost last (0: the module)
 
 
+@dataclass(frozen=True)
+class Use:
+    """A use of a tracked function that is not a call: stored (``saver = save_hf_format``), passed on
+    (``helper(save_hf_format)``), in a list or a ``partial``. ``start``/``end``: the span of the name to
+    rename in the text (the attribute's name for ``u.save_hf_format``); ``how``: the name as written."""
+
+    name: str
+    line: int
+    how: str
+    start: int
+    end: int
+
+
 @dataclass
 class ScriptCalls:
     calls: list  # SaveCall, in source order
@@ -54,6 +67,8 @@ class ScriptCalls:
     imported: dict  # bound name -> qualified name, for module-level imports of tracked names
     candidates: list  # the callee name of every syntactic candidate, in source order (matches libcst's order)
     sites: list  # Site: the statements that hold a candidate call or an import of one of the modules
+    uses: list = field(default_factory=list)  # Use, in source order
+    unsafe: list = field(default_factory=list)  # (line, why) for each use dsfix cannot rewrite
 
 
 class _Scope:
@@ -62,11 +77,15 @@ class _Scope:
         self.parent = parent
         self.is_class = isinstance(node, ast.ClassDef)
         self.bound = {}  # name -> list of qualified names of import bindings (None for other bindings)
+        self.other = {}  # name -> line of its first binding that is no import (an assignment, a def, ...)
+        self.starred = set()  # names bound by a star import
         self.globals = set()
         self.nonlocals = set()
 
-    def bind(self, name, qualified=None):
+    def bind(self, name, qualified=None, line=None):
         self.bound.setdefault(name, []).append(qualified)
+        if line is not None:
+            self.other.setdefault(name, line)
 
     def resolve(self, name):
         """The scope whose binding ``name`` refers to here (None: a builtin or undefined)."""
@@ -105,9 +124,10 @@ def _targets(node):
 class _Binder(ast.NodeVisitor):
     """Builds the scope tree and records every binding, with the qualified name of import bindings."""
 
-    def __init__(self, module_node):
+    def __init__(self, module_node, star_names=()):
         self.scopes = {id(module_node): _Scope(module_node, None)}
         self.stack = [self.scopes[id(module_node)]]
+        self.star_names = star_names  # names a star import is taken to bind (the tracked ones)
 
     @property
     def scope(self):
@@ -120,8 +140,20 @@ class _Binder(ast.NodeVisitor):
         visit_children()
         self.stack.pop()
 
+    def _store(self, name, line):
+        """Bind a name assigned here, in the scope a global or nonlocal statement sends it to."""
+        scope = self.scope
+        if name in scope.globals:
+            scope = _module_of(scope)
+        elif name in scope.nonlocals:
+            outer = scope.parent
+            while outer is not None and outer.parent is not None and (outer.is_class or name not in outer.bound):
+                outer = outer.parent
+            scope = outer if outer is not None and outer.parent is not None else scope
+        scope.bind(name, None, line)
+
     def _function(self, node):
-        self.scope.bind(node.name)
+        self._store(node.name, node.lineno)
         for d in node.decorator_list:
             self.visit(d)
         self._defaults_and_annotations(node.args)
@@ -159,7 +191,7 @@ class _Binder(ast.NodeVisitor):
                 self.scope.bind(a.arg)
 
     def visit_ClassDef(self, node):
-        self.scope.bind(node.name)
+        self._store(node.name, node.lineno)
         for n in [*node.decorator_list, *node.bases, *node.keywords]:
             self.visit(n)
 
@@ -199,7 +231,11 @@ class _Binder(ast.NodeVisitor):
 
     def visit_ImportFrom(self, node):
         for a in node.names:
-            if a.name == "*":
+            if a.name == "*":  # binds what the module defines: for dsfix, the tracked names
+                if node.module and not node.level:
+                    for name in self.star_names:
+                        self.scope.bind(name, f"{node.module}.{name}")
+                        self.scope.starred.add(name)
                 continue
             qualified = f"{node.module}.{a.name}" if node.module and not node.level else None
             self.scope.bind(a.asname or a.name, qualified)
@@ -212,7 +248,7 @@ class _Binder(ast.NodeVisitor):
 
     def visit_Name(self, node):
         if isinstance(node.ctx, (ast.Store, ast.Del)):
-            self.scope.bind(node.id)
+            self._store(node.id, node.lineno)
 
     def visit_NamedExpr(self, node):
         self.visit(node.value)
@@ -220,16 +256,16 @@ class _Binder(ast.NodeVisitor):
         while isinstance(scope.node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             scope = scope.parent
         for name in _targets(node.target):
-            scope.bind(name)
+            scope.bind(name, None, node.lineno)
 
     def visit_ExceptHandler(self, node):
         if node.name:
-            self.scope.bind(node.name)
+            self._store(node.name, node.lineno)
         self.generic_visit(node)
 
     def visit_MatchAs(self, node):  # pragma: no cover - match statements in a training script are rare
         if node.name:
-            self.scope.bind(node.name)
+            self._store(node.name, node.lineno)
         self.generic_visit(node)
 
 
@@ -253,23 +289,41 @@ def _chain(func):
 
 
 class _Uses(ast.NodeVisitor):
-    """Walks the tree with the scope stack: counts bare reads of tracked imports and finds the calls."""
+    """Walks the tree with the scope stack: counts bare reads of tracked imports, finds the calls and the
+    other uses (a value stored or passed on), and what dsfix cannot rewrite (``unsafe``)."""
 
-    def __init__(self, binder, tree, tracked, bare, callee_names):
+    def __init__(self, binder, tree, tracked, bare, callee_names, strings=()):
         self.binder = binder
         self.tracked = tracked  # qualified name -> tracked name
         self.bare = bare  # bound names that may refer to a tracked import
         self.callee_names = callee_names
+        self.strings = set(strings)  # a string equal to one of these is a use by name (getattr, say)
         self.stack = [binder.scopes[id(tree)]]
         self.containers = [0]  # ids of the enclosing function and loop nodes (0: the module)
         self.calls = []  # (node, tracked name, containers)
         self.candidates = []  # every syntactic candidate call, for matching libcst nodes by order
         self.reads = {}  # bound name -> bare reads that resolve to a tracked import
+        self.called = set()  # ids of the callees of the tracked calls
+        self.uses = []  # (node, tracked name): uses that are not calls
+        self.unsafe = []  # (line, why)
         self.visited = set()  # ids of the nodes visited: each once, in the scope Python evaluates it in
 
     def _qualified(self, name: str) -> list:
         scope = self.stack[-1].resolve(name)
         return [q for q in scope.bound.get(name, []) if q] if scope is not None else []
+
+    def _tracked(self, name: str, line: int):
+        """The tracked name a bare ``name`` refers to here (None: another binding); a name that the same scope
+        also binds otherwise (``save_hf_format = wrap(save_hf_format)``) is unsafe: which one runs depends on
+        the order the code runs in."""
+        scope = self.stack[-1].resolve(name)
+        if scope is None:
+            return None
+        hit = next((self.tracked[q] for q in scope.bound.get(name, []) if q in self.tracked), None)
+        if hit is not None and name in scope.other:
+            self.unsafe.append((line, f"{name} is imported from the utils module and also assigned (line "
+                                      f"{scope.other[name]}), so dsfix cannot tell which one this use reads"))
+        return hit
 
     def generic_visit(self, node):
         scope = self.binder.scopes.get(id(node))
@@ -306,8 +360,41 @@ class _Uses(ast.NodeVisitor):
 
     def visit_Name(self, node):
         if isinstance(node.ctx, ast.Load) and node.id in self.bare:
-            if any(q in self.tracked for q in self._qualified(node.id)):
+            hit = self._tracked(node.id, node.lineno)
+            if hit is not None:
                 self.reads[node.id] = self.reads.get(node.id, 0) + 1
+                if id(node) not in self.called:
+                    self.uses.append((node, hit))
+
+    def _chain_tracked(self, node):
+        base, attrs = _chain(node)
+        if base is None:
+            return None
+        for q in self._qualified(base.id):
+            full = ".".join([q, *attrs])
+            if full in self.tracked:
+                return self.tracked[full]
+        return None
+
+    def visit_Attribute(self, node):
+        if node.attr in self.callee_names:
+            hit = self._chain_tracked(node)
+            if hit is not None and not isinstance(node.ctx, ast.Load):
+                self.unsafe.append((node.lineno, f"assigns or deletes {hit} on the utils module, which dsfix "
+                                                 "cannot rewrite"))
+            elif hit is not None and id(node) not in self.called:
+                self.uses.append((node, hit))
+        self.generic_visit(node)
+
+    def visit_Nonlocal(self, node):
+        for name in node.names:
+            if name in self.bare and self._tracked(name, node.lineno) is not None:
+                self.unsafe.append((node.lineno, f"declares {name} nonlocal, which dsfix cannot rewrite"))
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, str) and node.value in self.strings:
+            self.unsafe.append((node.lineno, f"names {node.value} in a string (for getattr, say), a use dsfix "
+                                             "cannot rewrite"))
 
     def visit(self, node):
         if id(node) in self.visited:  # a default or a first iterable, visited already in the enclosing scope
@@ -320,11 +407,10 @@ class _Uses(ast.NodeVisitor):
             self.candidates.append(node)
             base, attrs = _chain(node.func)
             if base is not None:
-                for q in self._qualified(base.id):
-                    full = ".".join([q, *attrs])
-                    if full in self.tracked:
-                        self.calls.append((node, self.tracked[full], tuple(self.containers)))
-                        break
+                hit = self._tracked(base.id, node.lineno) if not attrs else self._chain_tracked(node.func)
+                if hit is not None:
+                    self.calls.append((node, hit, tuple(self.containers)))
+                    self.called.add(id(node.func))
         self.generic_visit(node)
 
 
@@ -417,9 +503,11 @@ def _sites(tree: ast.Module, src: Source, candidates: list, modules) -> list:
     return out
 
 
-def find_calls(tree: ast.Module, text: str, modules, names) -> ScriptCalls:
-    """The calls in ``tree`` (parsed from ``text``) of ``names`` imported from any of the dotted ``modules``."""
-    binder = _Binder(tree)
+def find_calls(tree: ast.Module, text: str, modules, names, strings=()) -> ScriptCalls:
+    """The calls in ``tree`` (parsed from ``text``) of ``names`` imported from any of the dotted ``modules``,
+    and their other uses. A star import of one of the modules binds every name in ``names``. ``strings``:
+    names whose appearance as a string makes the script unsafe to rewrite."""
+    binder = _Binder(tree, tuple(names))
     binder.visit(tree)
     tracked = {f"{m}.{n}": n for m in modules for n in names}
     bare, aliases = set(), set()
@@ -429,7 +517,7 @@ def find_calls(tree: ast.Module, text: str, modules, names) -> ScriptCalls:
                 aliases.add(bound)
             if any(q and (q in tracked or any(t.startswith(q + ".") for t in tracked)) for q in quals):
                 bare.add(bound)
-    uses = _Uses(binder, tree, tracked, bare, set(names) | aliases)
+    uses = _Uses(binder, tree, tracked, bare, set(names) | aliases, strings)
     uses.visit(tree)
     order = sorted(uses.candidates, key=lambda n: (n.lineno, n.col_offset, -n.end_lineno, -n.end_col_offset))
     index = {id(node): i for i, node in enumerate(order)}
@@ -448,12 +536,18 @@ def find_calls(tree: ast.Module, text: str, modules, names) -> ScriptCalls:
         paren = src.col(node.func.end_lineno, node.func.end_col_offset)
         calls.append(SaveCall(name, node.lineno, how, args, paren, index[id(node)], containers))
     calls.sort(key=lambda c: c.index)
+    found = []
+    for node, name in uses.uses:
+        start, end = src.span(node)
+        if isinstance(node, ast.Attribute):
+            start = end - len(node.attr)
+        found.append(Use(name, node.lineno, " ".join(src.segment(node).split()), start, end))
+    found.sort(key=lambda u: u.start)
     module_scope = binder.scopes[id(tree)]
-    imported = {bound: q for bound, quals in module_scope.bound.items() for q in quals if q in tracked}
+    imported = {bound: q for bound, quals in module_scope.bound.items() for q in quals if q in tracked
+                and bound not in module_scope.starred}
     return ScriptCalls(calls, uses.reads, imported, [_callee_name(n.func) for n in order],
-                       _sites(tree, src, order, modules))
-
-
+                       _sites(tree, src, order, modules), found, sorted(set(uses.unsafe)))
 
 
 @dataclass(frozen=True)

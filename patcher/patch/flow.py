@@ -4,14 +4,15 @@ the CLI only prints it."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.patch import plan as planner
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
-from patcher.errors import OK, PENDING, DsfixError
-from patcher.patch.locate import Checkout, find_checkout, find_patched, find_state_root
+from patcher.errors import OK, PENDING, DsfixError, shown
+from patcher.patch.locate import Checkout, find_checkout, find_patched
 from patcher.patch.plan import Status, Target
 from patcher.patch.template import load_template
 from patcher.report import Result
@@ -91,9 +92,49 @@ def _report(verb: str, co: Checkout, plan: planner.ApplyPlan, status: Status) ->
     return out
 
 
-def check(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) -> Outcome:
+_MARKER_STRATEGY = re.compile(rb"# dsfix: template=v\d+ strategy=(clone|dedupe)\b")
+
+
+@dataclass(frozen=True)
+class Options:
+    strategy: str
+    steps: tuple
+    record: st.Record | None  # what the state folder records, if anything
+
+
+def options(co: Checkout, strategy: str | None, steps) -> Options:
+    """The options a run uses: those given, else those the last apply recorded in the state folder, else the
+    strategy dsfix's marker line in utils.py names, else clone and step 1."""
+    rec = st.record_at(co.root)
+    if strategy is None:
+        strategy = rec.strategy if rec is not None else None
+    if strategy is None:
+        try:
+            m = _MARKER_STRATEGY.search(co.utils_path.read_bytes())
+        except OSError:
+            m = None
+        strategy = m.group(1).decode() if m else "clone"
+    if not steps:
+        steps = rec.steps if rec is not None and rec.steps else (1,)
+    return Options(strategy, tuple(sorted(set(steps))), rec)
+
+
+def _drops(co: Checkout, opts: Options, saved) -> list:
+    """The files an earlier apply patched for steps that the steps asked for now leave out, as read."""
+    return [Target(rel, saved.entries[rel]["role"], _maybe_read(co.root / rel, rel))
+            for rel in planner.left_out(saved, opts.steps)]
+
+
+def check(repo=".", strategy: str | None = None, steps=None, main=None, scripts=()) -> Outcome:
+    """``strategy`` and ``steps`` None: as the last apply recorded them (see ``options``)."""
     co = find_checkout(repo, main, scripts)
-    plan = planner.plan_apply(_targets(co, steps), load_template(strategy), strategy)
+    opts = options(co, strategy, steps)
+    saved, drop = None, []
+    if opts.record is not None and set(opts.record.steps) - set(opts.steps):  # steps left out: shown restored
+        saved = st.load(co.root)
+        drop = _drops(co, opts, saved)
+    plan = planner.plan_apply(_targets(co, opts.steps), load_template(opts.strategy), opts.strategy, saved,
+                              steps=opts.steps, drop=drop)
     out = _report("check", co, plan, Status.WOULD_CHANGE)
     out.diff = b"".join(unified_diff(c.old, c.new, _display_path(co.root, c.rel)) for c in plan.pending)
     out.new_bytes = {c.rel: c.new for c in plan.pending}
@@ -102,16 +143,20 @@ def check(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) 
     return out
 
 
-def apply(repo=".", strategy: str = "clone", steps=(1,), main=None, scripts=()) -> Outcome:
+def apply(repo=".", strategy: str | None = None, steps=None, main=None, scripts=()) -> Outcome:
+    """``strategy`` and ``steps`` None: as the last apply recorded them; what this apply used is recorded."""
     co = find_checkout(repo, main, scripts)
     with st.lock(co.root):
         st.recover(co.root)
+        opts = options(co, strategy, steps)
         saved = st.load(co.root)
         scripts = tuple(co.rel(p) for p in (co.step_mains[1], *co.scripts))
-        plan = planner.plan_apply(_targets(co, steps), load_template(strategy), strategy, saved, verify=True,
-                                  scripts=scripts)
+        plan = planner.plan_apply(_targets(co, opts.steps), load_template(opts.strategy), opts.strategy, saved,
+                                  verify=True, scripts=scripts, steps=opts.steps, drop=_drops(co, opts, saved))
         out = _report("apply", co, plan, Status.CHANGED)
         if not plan.pending:
+            if plan.state is not None:  # the same files, other options to remember
+                st.commit(co.root, [], plan.state, rel_of=co.rel)
             out.message = "nothing to do: already patched"
             return out
         st.commit(co.root, [(co.root / c.rel, c.new) for c in plan.pending], plan.state, rel_of=co.rel)
@@ -123,7 +168,7 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
     """With the state folder (found at or above ``repo``), the files it records; without, a structural undo
     of what dsfix changed, found in the files themselves (see locate.find_patched). What to do with each
     file, in which order, and what counts as restored is plan_revert's; here: read, then write once."""
-    root = find_state_root(repo)
+    root = st.find_root(repo)
     co, not_a_checkout = None, None
     if root is None:
         try:
@@ -151,7 +196,7 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
         for r in plan.results:
             out.files.append(FileReport(r.rel, r.status, r.notes + ([r.reason] if r.reason else [])))
         if plan.refused:
-            names = ", ".join(r.rel for r in plan.refused)
+            names = shown([r.rel for r in plan.refused])
             out.message = f"refused, nothing written: {names} changed since apply; " + plan.refused[0].reason
             return out
         st.commit(root, [(root / rel, data) for rel, data in plan.writes], None if saved is not None else st.KEEP,

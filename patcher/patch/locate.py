@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.errors import DsfixError
+from patcher.errors import DsfixError, shown
+from patcher.patch import state
 from patcher.patch.names import PUBLIC_NAMES, SAVE_NAMES
 from patcher.patch.resolve import resolve_script
 
@@ -57,7 +59,8 @@ class Checkout:
             path = self.step_mains.get(step)
             if path is None:
                 if strict:
-                    raise DsfixError(f"this checkout has no step-{step} main.py", path=str(self.root))
+                    raise DsfixError(f"--steps names step {step}, but there is no step-{step} script at "
+                                     f"{step_script(self.root, self.step_mains[1], step)}; leave {step} out of --steps")
                 continue
             try:
                 res = _resolve(self.root, path)
@@ -68,7 +71,7 @@ class Checkout:
             if res.utils != self.utils_path:
                 if strict:
                     raise DsfixError(f"imports {_rel(self.root, res.utils)}, not {self.rel(self.utils_path)} as "
-                                     "step 1 does; patch it in a separate run", path=self.rel(path))
+                                     f"step 1 does; patch step {step} in a separate run", path=self.rel(path))
                 continue
             out.append((self.rel(path), f"step{step}", res.modules))
         if any(s in (2, 3) for s in steps):
@@ -106,60 +109,133 @@ def _chat_root(start: Path) -> Path | None:
     return None
 
 
+STEP1_DIR = "step1_supervised_finetuning"
+
+
 def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None = None, scripts=()) -> Checkout:
     """Locate the checkout at or above ``repo`` (or under its applications/DeepSpeed-Chat).
 
     ``main``: the step-1 script, for layouts without training/step1_supervised_finetuning/main.py;
-    ``scripts``: further step-1 entry scripts to patch as well.
+    ``scripts``: further step-1 entry scripts to patch as well. Both are looked up in the checkout first,
+    then in the current folder. Without ``main``: the one an earlier apply recorded, else
+    training/step1_supervised_finetuning/main.py, else the one step1_supervised_finetuning/main.py at any
+    depth that calls the save functions.
     """
     start = Path(repo)
     if not start.exists():
-        raise DsfixError(f"no such file or folder: {repo}")
+        raise DsfixError("no such file or folder; pass a DeepSpeed-Chat checkout or a folder inside it",
+                         path=str(repo))
     start = start.resolve()
     if start.is_file():
         start = start.parent
-    main_path = _given(main, "--main") if main is not None else None
-    script_paths = [_given(s, "--script") for s in scripts]
-    notes = []
-    if main_path is None:
-        remembered = _remembered(start)
-        if remembered is not None:  # an earlier apply named the scripts: use them again
-            root, main_path, recorded = remembered
-            return _checkout_at(root, main_path, script_paths or recorded)
     root = _chat_root(start)
+    home = root or _step1_base(start)  # what --main and --script are relative to first
+    notes = []
+    main_path = _given(main, "--main", home, notes) if main is not None else None
+    script_paths = [_given(s, "--script", home, notes) for s in scripts]
+    if main_path is None:
+        rec = state.recorded(start)
+        remembered = _remembered(rec)
+        if remembered is not None:  # an earlier apply named the scripts: use them again
+            root, main_path, recorded_scripts = remembered
+            co = _checkout_at(root, main_path, script_paths or recorded_scripts)
+            return dataclasses.replace(co, notes=(*notes, *co.notes)) if notes else co
     if main_path is not None and (root is None or not main_path.is_relative_to(root)):
-        root = start if main_path.is_relative_to(start) else main_path.parent
+        root = home if main_path.is_relative_to(home) else main_path.parent
     if root is None:
         below = _chat_roots_below(start)
         if len(below) == 1:
             root = below[0]
             notes.append(f"found the DeepSpeed-Chat folder at {os.path.relpath(root, start)}")
         elif below:
-            shown = ", ".join(os.path.relpath(p, start) for p in below[:6])
-            raise DsfixError(f"several DeepSpeed-Chat folders below {repo} ({shown}); run dsfix on one of them")
+            shown_below = shown([Path(os.path.relpath(p, start)).as_posix() for p in below])
+            raise DsfixError(f"{len(below)} DeepSpeed-Chat folders below this one ({shown_below}); run dsfix on "
+                             "one of them", path=_shown_arg(repo),
+                             detail=[Path(os.path.relpath(p, start)).as_posix() for p in below])
+    if main_path is None and (root is None or not _exists(root / STEP_MAIN[1])):
+        base = root or home
+        found = step1_candidates(base)
+        if len(found) > 1:
+            rels = [Path(os.path.relpath(p, home)).as_posix() for p in found]  # as --main takes them
+            raise DsfixError(f"{len(found)} step-1 scripts named {STEP1_DIR}/main.py and none at {STEP_MAIN[1]}; "
+                             "pass the one to patch: " + shown([_opt("--main", r) for r in rels], sep=" or "),
+                             detail=[_opt("--main", r) for r in rels])
+        if found:
+            root, main_path = base, found[0]
+            notes.append(f"no {STEP_MAIN[1]}: using {_rel(root, main_path)}, the one {STEP1_DIR}/main.py "
+                         "that calls the save functions (--main picks another)")
     if root is None:
-        raise DsfixError(
-            f"no DeepSpeed-Chat checkout at or above {repo}: looked for {STEP_MAIN[1]} with "
-            f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, also under {CHAT_SUBDIR}/"
-            + _suggest(start)
-        )
-    co = _checkout_at(root, main_path, script_paths)
+        found = callers(start, depth=3)
+        rels = [Path(os.path.relpath(p, start)).as_posix() for p in found]
+        hint = ("; for a script that calls save_hf_format, pass " + shown([_opt("--main", r) for r in rels], sep=" or ")
+                if found else "; run dsfix in a DeepSpeed-Chat folder, or pass the step-1 script with --main")
+        raise DsfixError(f"no DeepSpeed-Chat checkout here or above (no {STEP_MAIN[1]} or other {STEP1_DIR}/main.py "
+                         f"that saves){hint}", path=_shown_arg(repo),
+                         detail=[f"looked for {STEP_MAIN[1]}, a {STEP1_DIR}/main.py that calls the save functions, "
+                                 f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, here, above and under {CHAT_SUBDIR}/",
+                                 *(_opt("--main", r) for r in rels)])
+    co = _checkout_at(root, main_path, script_paths, home)
     return dataclasses.replace(co, notes=(*notes, *co.notes)) if notes else co
 
 
-def _remembered(start: Path):
-    """(root, step-1 script, further scripts) as an earlier apply recorded them in a state folder at or above
-    ``start``, when that script still exists; else None."""
-    root = find_state_root(start)
-    if root is None:
-        return None
-    from patcher.patch import state
+def _opt(option: str, rel: str) -> str:
+    """An option and its path as the user would type it (quoted where a shell needs it)."""
+    return f"{option} {shlex.quote(rel)}"
 
-    recorded = state.recorded_scripts(root)
-    if recorded is None:
+
+def _shown_arg(repo) -> str:
+    """The REPO argument as the user wrote it (a path relative to where they are)."""
+    return Path(repo).as_posix()
+
+
+def _exists(p: Path) -> bool:
+    return p.exists() or p.is_symlink()
+
+
+def _step1_base(start: Path) -> Path:
+    """``start``, or, inside a step1_supervised_finetuning folder, the folder that holds it."""
+    for d in (start, *start.parents):
+        if d.name == STEP1_DIR:
+            return d.parent
+    return start
+
+
+def step1_candidates(base: Path, depth: int = 8, limit: int = 20000) -> list:
+    """Every step1_supervised_finetuning/main.py under ``base`` (``depth`` folders down at most) that calls
+    the save functions (or dsfix's, once patched), in a stable order. Folders are walked, files read only
+    where the name fits; ``limit`` folders at most."""
+    found, base_depth, seen = [], len(base.parts), 0
+    for d, dirs, files in os.walk(base):
+        seen += 1
+        if seen > limit:
+            break
+        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
+        path = Path(d)
+        if len(path.parts) - base_depth >= depth:
+            dirs[:] = []
+        if path.name != STEP1_DIR or "main.py" not in files:
+            continue
+        try:
+            data = (path / "main.py").read_bytes()
+        except OSError:
+            continue
+        if _calls_save(data, (*SAVE_NAMES, *PUBLIC_NAMES)):
+            found.append(path / "main.py")
+    return found
+
+
+def _calls_save(data: bytes, names) -> bool:
+    return any(f"{n}(".encode() in data for n in names) and b"def save_hf_format" not in data
+
+
+def _remembered(rec):
+    """(root, step-1 script, further scripts) as an earlier apply recorded them (``rec``, a state.Record),
+    when that script still exists and is not the one dsfix would find anyway; else None."""
+    if rec is None or not rec.main:
         return None
-    main, scripts = root / recorded[0], [root / s for s in recorded[1]]
-    scripts = [s for s in scripts if s.is_file()]
+    root = rec.root
+    main = root / rec.main
+    scripts = [root / s for s in rec.scripts if (root / s).is_file()]
     if not main.is_file() or (main == root / STEP_MAIN[1] and not scripts):
         return None
     return root, main, scripts
@@ -177,20 +253,6 @@ def _chat_roots_below(start: Path, depth: int = 4) -> list:
         if len(path.parts) - base >= depth:
             dirs[:] = []
     return found
-
-
-def find_state_root(repo: str | os.PathLike = ".") -> Path | None:
-    """The folder at or above ``repo`` whose state folder records an earlier apply, if any."""
-    from patcher.patch import state
-
-    start = Path(repo)
-    if not start.exists():
-        raise DsfixError(f"no such file or folder: {repo}")
-    start = start.resolve()
-    for d in (start, *start.parents):
-        if state.has_state(d):
-            return d
-    return None
 
 
 def find_patched(root: Path, depth: int = 5, limit: int = 3000) -> list:
@@ -215,11 +277,26 @@ def find_patched(root: Path, depth: int = 5, limit: int = 3000) -> list:
     return out
 
 
-def _given(p, option) -> Path:
+def _given(p, option, home: Path, notes: list) -> Path:
+    """An option's path: relative to the checkout (``home``) first, then to the current folder."""
     path = Path(p)
-    if not path.is_file():
+    tried = [path] if path.is_absolute() else [home / path, Path.cwd() / path]
+    for i, cand in enumerate(tried):
+        if cand.is_file():
+            cand = Path(os.path.abspath(cand))
+            if not path.is_absolute():
+                where = "the checkout" if i == 0 else "the current folder"
+                other = tried[1 - i]
+                also = (f", not {path.as_posix()} in the current folder" if i == 0 and other.is_file()
+                        and os.path.abspath(other) != str(cand) else "")
+                rel = _rel(home, cand)
+                used = "" if rel == path.as_posix() else f" is {rel},"
+                notes.append(f"{option} {path.as_posix()}:{used} found relative to {where}{also}")
+            return cand
+    if path.is_absolute():
         raise DsfixError(f"{option}: no such file", path=str(p))
-    return Path(os.path.abspath(path))
+    raise DsfixError(f"{option}: no such file in the checkout or the current folder; pass a path relative to "
+                     "either", path=path.as_posix())
 
 
 def python_files(folder: Path, depth: int = 4, limit: int = 2000):
@@ -248,26 +325,17 @@ def callers(folder: Path, depth: int = 4, limit: int = 2000) -> list:
             if any(f"{n}(".encode() in data for n in SAVE_NAMES) and b"def save_hf_format" not in data]
 
 
-def _suggest(start: Path) -> str:
-    found = callers(start, depth=3)
-    if not found:
-        return ""
-    shown = ", ".join(os.path.relpath(p, start) for p in found[:5])
-    return f"; scripts that call save_hf_format here: {shown} (pass --main PATH)"
-
-
-def _checkout_at(root: Path, main_path: Path | None, scripts: list) -> Checkout:
+def _checkout_at(root: Path, main_path: Path | None, scripts: list, home: Path | None = None) -> Checkout:
+    """``home``: the folder --main paths are relative to first (for the paths a refusal suggests)."""
     if main_path is None:
         main_path = root / STEP_MAIN[1]
-        if not (main_path.exists() or main_path.is_symlink()):
-            found = [p for p in callers(root) if "step2" not in str(p) and "step3" not in str(p)]
-            hint = ""
-            if found:
-                hint = "; scripts that call save_hf_format: " + ", ".join(
-                    Path(os.path.relpath(p, root)).as_posix() for p in found[:6]) + " (pass one with --main PATH)"
-            raise DsfixError(f"no step-1 {STEP_MAIN[1]} in this DeepSpeed-Chat checkout{hint}", path=str(root))
-    mains = {1: main_path}
-    mains.update({s: root / p for s, p in STEP_MAIN.items() if s > 1 and ((root / p).exists() or (root / p).is_symlink())})
+        if not _exists(main_path):
+            found = [Path(os.path.relpath(p, home or root)).as_posix() for p in callers(root)
+                     if "step2" not in str(p) and "step3" not in str(p)]
+            hint = "; pass the script that saves: " + shown([_opt("--main", r) for r in found], sep=" or ") if found else ""
+            raise DsfixError(f"no {STEP_MAIN[1]} and no other {STEP1_DIR}/main.py that calls the save functions"
+                             f"{hint}", detail=[_opt("--main", r) for r in found])
+    mains = {1: main_path, **_later_steps(root, main_path)}
     for p in (*mains.values(), *scripts):
         check_inside(root, p)
     scripts = [s for s in dict.fromkeys(scripts) if s != main_path]
@@ -279,8 +347,9 @@ def _checkout_at(root: Path, main_path: Path | None, scripts: list) -> Checkout:
     for s in scripts:
         other = _resolve(root, s)
         if other.utils != utils_path:
-            raise DsfixError(f"imports its save functions from {_rel(root, other.utils)}, but step-1 main.py "
-                             f"from {_rel(root, utils_path)}; patch them in separate runs", path=str(s))
+            raise DsfixError(f"imports its save functions from {_rel(root, other.utils)}, but the step-1 script "
+                             f"{_rel(root, main_path)} from {_rel(root, utils_path)}; patch them in separate runs",
+                             path=_rel(root, s))
         modules[_rel(root, s)] = other.modules
         notes += other.notes
     notes += _shadowed(root, utils_path)
@@ -295,6 +364,24 @@ def _checkout_at(root: Path, main_path: Path | None, scripts: list) -> Checkout:
                     modules=modules, utils_module=first, import_root=import_root, notes=tuple(notes))
 
 
+def _later_steps(root: Path, main_path: Path) -> dict:
+    """Steps 2 and 3 beside step 1: siblings of its step1_supervised_finetuning folder wherever that is, else
+    under training/."""
+    parent = main_path.parent.parent if main_path.parent.name == STEP1_DIR else root / "training"
+    out = {}
+    for step in (2, 3):
+        p = parent / Path(STEP_DIRS[step]).name / "main.py"
+        if _exists(p):
+            out[step] = p
+    return out
+
+
+def step_script(root: Path, main_path: Path, step: int) -> str:
+    """Where step ``step``'s main.py is looked for, relative to ``root`` (for messages)."""
+    parent = main_path.parent.parent if main_path.parent.name == STEP1_DIR else root / "training"
+    return _rel(root, parent / Path(STEP_DIRS[step]).name / "main.py")
+
+
 def _rel(root: Path, p: Path) -> str:
     try:
         return Path(os.path.abspath(p)).relative_to(root).as_posix()
@@ -306,13 +393,14 @@ def _resolve(root: Path, script: Path):
     try:
         data = script.read_bytes()
     except OSError as e:
-        raise DsfixError(f"cannot read: {e.strerror or e}", path=str(script)) from None
+        raise DsfixError(f"cannot be read: {e.strerror or e}", path=_rel(root, script)) from None
     res = resolve_script(script, data, root)
     if res.utils is None:
-        raise DsfixError(res.describe_failure(), path=_rel(root, script))
+        message, line, detail = res.describe_failure()
+        raise DsfixError(message, path=_rel(root, script), line=line, detail=detail)
     if not res.utils.is_relative_to(root):
-        raise DsfixError(f"imports its save functions from {res.utils}, outside the checkout {root}; "
-                         "run dsfix on the folder that holds both", path=_rel(root, script))
+        raise DsfixError(f"imports its save functions from {Path(os.path.relpath(res.utils, root)).as_posix()}, "
+                         "outside the checkout; run dsfix on a folder that holds both", path=_rel(root, script))
     return res
 
 
@@ -328,7 +416,7 @@ def _shadowed(root: Path, utils_path: Path) -> list:
 
 def _left_alone(root: Path, main_path: Path, scripts) -> list:
     others = [p for p in callers(main_path.parent, depth=1) if p != main_path and p not in scripts]
-    return [f"{_rel(root, p)} also calls the save functions and is not patched (add --script {_rel(root, p)})"
+    return [f"{_rel(root, p)} also calls the save functions and is not patched (add {_opt('--script', _rel(root, p))})"
             for p in others]
 
 
@@ -336,6 +424,7 @@ def check_inside(root: Path, path: Path) -> None:
     """Refuse a target that is a symlink leading outside the checkout, or that is not a regular file."""
     real = path.resolve()
     if path.is_symlink() and not real.is_relative_to(root.resolve()):
-        raise DsfixError(f"refusing to follow a symlink that leads outside the checkout (to {real})", path=str(path))
+        raise DsfixError(f"refusing to follow a symlink that leads outside the checkout (to {real}); replace it "
+                         "with the file or run dsfix on a folder that holds both", path=_rel(root, path))
     if not real.is_file():
-        raise DsfixError("is not a regular file", path=str(path))
+        raise DsfixError("is not a regular file", path=_rel(root, path))

@@ -64,6 +64,8 @@ class Saved:
     blobs: dict  # (rel, "original" | "patched") -> bytes
     main: str | None = None  # the step-1 script and the further ones patched, so that later runs need no
     scripts: tuple = ()  # --main or --script again
+    strategy: str | None = None  # the --strategy and --steps of the last apply, likewise remembered
+    steps: tuple = ()
 
     def blob(self, rel: str, kind: str) -> bytes:
         return self.blobs[(rel, kind)]
@@ -172,9 +174,10 @@ def patch_file(target: Target, tpl: Template, strategy: str, defs: dict | None =
 
 
 def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None = None,
-               verify: bool = False, scripts: tuple = ()) -> ApplyPlan:
-    """``targets``: utils.py first, then the scripts; ``scripts``: (step-1 script, further ones) to record.
-    ``verify``: compile every new text and parse it back
+               verify: bool = False, scripts: tuple = (), steps: tuple = (1,), drop: tuple = ()) -> ApplyPlan:
+    """``targets``: utils.py first, then the scripts; ``scripts``: (step-1 script, further ones) to record,
+    with ``strategy`` and ``steps``. ``drop``: files an earlier apply patched for steps that ``steps`` leaves
+    out now (Targets as read), restored from ``saved``. ``verify``: compile every new text and parse it back
     with libcst (apply does; check, which writes nothing, shows the diff without)."""
     changes, warnings, defs = [], [], None
     for t in targets:
@@ -189,13 +192,31 @@ def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None 
         warnings += found
         if t.role == "step2" and not any(x.role == "loader" for x in targets):
             warnings.append(STEP2_WARNING)
+    listed = ",".join(map(str, steps))
+    for t in drop:
+        r = revert_with_state(saved, t.rel, t.data)
+        if r.status == Status.REFUSED:
+            how = "edited since apply where dsfix changed it" if t.data is not None else "gone since apply"
+            raise DsfixError(f"patched for {_step_words(t.role)}, which --steps {listed} leaves out, but {how}; "
+                             "run `dsfix revert` first, or keep that step in --steps", path=t.rel)
+        if r.new is not None and t.data is not None:
+            changes.append(FileChange(t.rel, t.role, t.data, r.new,
+                                      (f"restores the original: --steps {listed} leaves {_step_words(t.role)} out",)))
     pending = [c for c in changes if c.changed]
+    record = (scripts[0] if scripts else None, tuple(scripts[1:]), strategy, tuple(steps))
     state = None
-    if pending:
+    if pending or (saved is not None and (saved.main, tuple(saved.scripts), saved.strategy, tuple(saved.steps))
+                   != record):
         entries = dict(saved.entries) if saved else {}
         blobs = dict(saved.blobs) if saved else {}
         by_rel = {t.rel: t for t in targets}
+        dropped = {t.rel for t in drop}
         for c in pending:
+            if c.rel in dropped:
+                del entries[c.rel]
+                blobs.pop((c.rel, "original"), None)
+                blobs.pop((c.rel, "patched"), None)
+                continue
             original = c.old
             if saved is not None and c.rel in saved.entries:
                 original = original_under_edits(saved, c.rel, c.old, by_rel[c.rel].modules)
@@ -203,8 +224,21 @@ def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None 
                               "template": tpl.version, "strategy": strategy, "modules": list(by_rel[c.rel].modules)}
             blobs[(c.rel, "original")] = original
             blobs[(c.rel, "patched")] = c.new
-        state = Saved(entries, blobs, scripts[0] if scripts else None, tuple(scripts[1:]))
+        state = Saved(entries, blobs, *record)
     return ApplyPlan(tuple(changes), tuple(warnings), state)
+
+
+def _step_words(role: str) -> str:
+    return "steps 2 and 3 (step 3's critic loader)" if role == "loader" else role.replace("step", "step ")
+
+
+def left_out(saved: Saved | None, steps: tuple) -> list:
+    """The files ``saved`` records for steps that ``steps`` leaves out (their rel paths)."""
+    if saved is None:
+        return []
+    keep = {f"step{n}" for n in steps} | ({"loader"} if {2, 3} & set(steps) else set())
+    return sorted(rel for rel, e in saved.entries.items()
+                  if e.get("role") in ("step1", "step2", "step3", "loader") and e.get("role") not in keep)
 
 
 def original_under_edits(saved: Saved, rel: str, current: bytes, modules: tuple) -> bytes:

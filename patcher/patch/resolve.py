@@ -42,12 +42,19 @@ class Resolution:
     lines: list = field(default_factory=list)  # ImportLine for every import that could bring in a save name
     notes: list = field(default_factory=list)
 
-    def describe_failure(self) -> str:
+    def describe_failure(self) -> tuple:
+        """(one line, the line number it names, every import considered) for a script whose save functions
+        come from no utils.py: the line leads with the import most likely meant (one that names a save
+        function), and counts the others, which the detail lists."""
         if not self.lines:
-            return "imports neither save_hf_format nor a module that defines it"
-        parts = [f"line {i.line} `{i.text}`: {i.reason}" for i in self.lines[:4]]
-        more = f"; and {len(self.lines) - 4} more" if len(self.lines) > 4 else ""
-        return "no import resolves to a utils.py that defines save_hf_format: " + "; ".join(parts) + more
+            return ("imports neither save_hf_format nor a module that defines it; if another script saves, pass "
+                    "it with --main", None, ())
+        detail = tuple(f"line {i.line} `{i.text}`: {i.reason}" for i in self.lines)
+        lead = min(self.lines, key=lambda i: (not any(n in i.text for n in SAVE_NAMES), i.line))
+        reason = lead.reason if len(lead.reason) <= 140 else lead.reason[:137] + "..."
+        more = len(self.lines) - 1
+        rest = f"; {more} more import{'s' if more != 1 else ''} considered (--json lists them)" if more else ""
+        return (f"no import resolves to a utils.py that defines save_hf_format: {reason}{rest}", lead.line, detail)
 
 
 def _short(node: ast.AST, source) -> str:
@@ -245,6 +252,17 @@ def find_module(dotted: str, search_path) -> tuple:
     return None, "empty module name"  # pragma: no cover
 
 
+def _declares_all(path: Path) -> bool:
+    """Whether a module sets ``__all__`` at its top level (a star import then brings only what it lists)."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    return any(isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+        isinstance(t, ast.Name) and t.id == "__all__" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+        for n in tree.body)
+
+
 def defines_save(path: Path) -> bool:
     try:
         data = path.read_bytes()
@@ -344,11 +362,15 @@ def resolve_script(script: Path, data: bytes, chat_root: Path) -> Resolution:
             if path is not None and defines_save(path):
                 hits.append((dotted, Path(os.path.abspath(path))))
             elif relevant:
-                reasons.append(f"{dotted}: {why or f'{_rel_to(path, chat_root)} does not define save_hf_format'}")
+                why = why or f"{_rel_to(path, chat_root)} does not define save_hf_format"
+                if all(not r.endswith(f": {why}") for r in reasons):  # M.a is missing because M is: said once
+                    reasons.append(f"{dotted}: {why}")
         if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) and hits:
-            res.lines.append(ImportLine(node.lineno, _short(node, source), (),
-                                        "a star import: name save_hf_format in the import to let dsfix rewrite it"))
-            continue
+            hits = hits[:1]  # the module itself
+            if _declares_all(hits[0][1]):
+                raise DsfixError("imports the save functions with a star import, and the utils module's __all__ "
+                                 "would not bring in dsfix's functions; import save_hf_format by name instead",
+                                 path=_rel_to(script, chat_root), line=node.lineno)
         for dotted, path in hits:
             by_file.setdefault(path, []).append(dotted)
         if hits:
@@ -356,9 +378,10 @@ def resolve_script(script: Path, data: bytes, chat_root: Path) -> Resolution:
         elif relevant:
             res.lines.append(ImportLine(node.lineno, _short(node, source), (), "; ".join(reasons[:2]) or "no module"))
     if len(by_file) > 1:
-        names = ", ".join(str(p) for p in by_file)
-        raise DsfixError(f"imports save functions from more than one utils.py ({names}); dsfix patches one",
-                         path=str(script))
+        names = [_rel_to(p, chat_root) for p in by_file]
+        raise DsfixError(f"imports save functions from {len(names)} files ({', '.join(names[:2])}"
+                         f"{f' and {len(names) - 2} more' if len(names) > 2 else ''}); dsfix patches one utils.py: "
+                         "import them from one", path=_rel_to(script, chat_root), detail=names)
     if by_file:
         (utils, modules), = by_file.items()
         res.utils = utils

@@ -6,9 +6,9 @@ parameter means is read from the original definition:
 
 * model: the first positional parameter; tokenizer: a parameter whose name contains "tokenizer";
   rank: ``global_rank`` or ``rank``; ZeRO stage: ``zero_stage`` or ``stage``; ``args``: the options.
-* where: the folder the original writes to (its first ``os.makedirs``, else the folder joined with a
-  file name or given to ``save_pretrained``). The statements that compute it are copied verbatim, so
-  dsfix saves exactly where the original did, ``sub_folder`` and any other parameter included.
+* where: the folder the original writes to, and the statements that compute it (if/elif/else included),
+  carried as the fork's own (patcher.patch.folder), so dsfix saves exactly where the original did.
+* which keys it leaves out: read from its tests on the key name (patcher.patch.keyfilter).
 * any other parameter: accepted and unused when the original never reads it (a note says so), carried
   when it only feeds the folder, and refused when the original reads it for anything else, since dsfix
   cannot tell what it changes.
@@ -21,20 +21,17 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import re
 from dataclasses import dataclass
 
 import libcst as cst
 
-from patcher.patch import calls
+from patcher.patch import calls, folder, keyfilter
 from patcher.errors import DsfixError
 from patcher.patch.names import CORE, RENAMES
-from patcher.patch.template import dotted
 
 EXTRAS = ("max_shard_size", "strategy")  # dsfix's own keyword-only options
 RANK_NAMES = ("global_rank", "rank")
 STAGE_NAMES = ("zero_stage", "stage")
-_FILE_NAME = re.compile(r"(?i)(weights?|config|model|safetensors|bin|json|file)")
 _EMPTY = cst.Module([])
 
 
@@ -63,7 +60,7 @@ class SaveDef:
     notes: tuple = ()
     default: bool = False  # True: the template's own (upstream's) definition
     writes: frozenset = frozenset({"weights", "config", "tokenizer"})  # what the original saves
-    drops_lora: bool = True  # the original leaves LoRA weights out ("lora" in a key test)
+    drop: str | None = None  # dsfix's drop= for the keys the original leaves out (None: upstream's "lora" rule)
 
     def header(self, new_name: str) -> str:
         taken = {p.name for p in self.params}
@@ -113,117 +110,8 @@ def _params(fn: cst.FunctionDef) -> tuple:
     return tuple(out)
 
 
-class _OwnBody(cst.CSTVisitor):
-    """Visits a function's own code: nested functions and classes are other scopes, left out."""
-
-    def visit_FunctionDef(self, node):
-        return False
-
-    def visit_ClassDef(self, node):
-        return False
-
-
-class _Reads(_OwnBody):
-    """Names read in a node (attribute names and keyword names left out)."""
-
-    def __init__(self):
-        self.names = []
-
-    def visit_Name(self, node):
-        self.names.append(node.value)
-
-    def visit_Attribute(self, node):
-        node.value.visit(self)
-        return False
-
-    def visit_Arg(self, node):
-        node.value.visit(self)
-        return False
-
-
 def reads(node) -> set:
-    v = _Reads()
-    node.visit(v)
-    return set(v.names)
-
-
-class _Calls(_OwnBody):
-    def __init__(self):
-        self.calls = []
-
-    def visit_Call(self, node):
-        self.calls.append(node)
-
-    def visit_Lambda(self, node):
-        return False
-
-
-def _calls(node) -> list:
-    v = _Calls()
-    node.visit(v)
-    return v.calls
-
-
-def _dotted(node) -> str:
-    try:
-        return dotted(node)
-    except TypeError:
-        return ""
-
-
-def _folder_call(stmts) -> tuple:
-    """(statement index, folder expression) of the first call that says where the function writes."""
-    for rule in ("makedirs", "join", "save_pretrained"):
-        for i, stmt in enumerate(stmts):
-            for call in _calls(stmt):
-                name = _dotted(call.func)
-                pos = [a for a in call.args if a.keyword is None and not a.star]
-                if rule == "makedirs" and name.split(".")[-1] in ("makedirs", "mkdir") and pos:
-                    return i, pos[0].value
-                if rule == "join" and name in ("os.path.join", "path.join", "join") and len(pos) >= 2:
-                    last = pos[-1].value
-                    named = isinstance(last, cst.Name) and _FILE_NAME.search(last.value)
-                    literal = isinstance(last, cst.SimpleString) and "." in last.value
-                    if (named or literal) and len(pos) == 2:
-                        return i, pos[0].value
-                    if named or literal:
-                        head = [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) if j == len(pos) - 2 else a
-                                for j, a in enumerate(pos[:-1])]
-                        return i, call.with_changes(args=head)
-                if rule == "save_pretrained" and name.endswith(".save_pretrained") and pos:
-                    return i, pos[0].value
-    return None, None
-
-
-_BINDING = {cst.AssignTarget: "target", cst.AugAssign: "target", cst.AnnAssign: "target", cst.For: "target",
-            cst.AsName: "name", cst.NamedExpr: "target"}  # node type -> the field holding what it binds
-
-
-def _assigned(stmt) -> set:
-    """Names a statement binds (targets of any kind), to tell whether slicing may stop at it."""
-    out = set()
-
-    class V(cst.CSTVisitor):
-        def on_visit(self, node):
-            if isinstance(node, cst.FunctionDef):
-                out.add(node.name.value)
-                return False
-            field = _BINDING.get(type(node))
-            if field is not None:
-                out.update(reads(getattr(node, field)))
-            return True
-
-    stmt.visit(V())
-    return out
-
-
-def _simple_assign(stmt):
-    """(name, value) for a line ``name = value``, else None."""
-    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
-        small = stmt.body[0]
-        if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
-            return small.targets[0].target.value, small.value
-    return None
+    return folder.reads(node)
 
 
 def _body(fn: cst.FunctionDef) -> list:
@@ -234,39 +122,11 @@ def _body(fn: cst.FunctionDef) -> list:
     return body
 
 
-def _where(fn: cst.FunctionDef, rel: str, line: int) -> tuple:
-    """(statements copied, folder expression text, indices of the statements copied)."""
-    body = _body(fn)
-    at, folder = _folder_call(body)
-    if folder is None:
-        raise DsfixError(f"cannot tell which folder {fn.name.value} writes to (no os.makedirs, no folder joined "
-                         "with a file name, no save_pretrained); dsfix will not guess", path=rel, line=line)
-    needed = reads(folder)
-    taken = []
-    for i in range(at - 1, -1, -1):
-        stmt = body[i]
-        hit = _assigned(stmt) & needed
-        if not hit:
-            continue
-        simple = _simple_assign(stmt)
-        if simple is None or simple[0] not in needed:
-            raise DsfixError(
-                f"{fn.name.value} computes its folder ({', '.join(sorted(hit))}) in a statement dsfix cannot copy "
-                f"safely (`{code(stmt).strip()[:60]}`); dsfix will not guess where it saves", path=rel, line=line)
-        taken.append(i)
-        needed = (needed - {simple[0]}) | reads(simple[1])
-    taken.reverse()
-    stmts = tuple(code(body[i].with_changes(leading_lines=[])).strip("\n") for i in taken)
-    return stmts, code(folder), set(taken), at
-
-
-def _writes(fn: ast.FunctionDef) -> tuple:
-    """(what the function saves: a subset of {"weights", "config", "tokenizer"}, whether it drops LoRA keys),
-    read with ast (a libcst pass over the body costs ten times more)."""
-    out, lora = set(), False
+def _writes(fn: ast.FunctionDef) -> frozenset:
+    """What the function saves: a subset of {"weights", "config", "tokenizer"}, read with ast (a libcst pass
+    over the body costs ten times more)."""
+    out = set()
     for node in ast.walk(fn):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "lora" in node.value.lower():
-            lora = True
         if not isinstance(node, ast.Call):
             continue
         func = node.func
@@ -280,26 +140,39 @@ def _writes(fn: ast.FunctionDef) -> tuple:
             out.add("config")
         if "tokenizer" in receiver and method in ("save_vocabulary", "save_pretrained"):
             out.add("tokenizer")
-    return frozenset(out), lora
+    return frozenset(out)
 
 
-def read_def(fn: cst.FunctionDef, rel: str, line: int, fn_ast: ast.FunctionDef = None) -> SaveDef:
-    """What dsfix's replacement of ``fn`` must take, pass and copy; refuses what it cannot carry over."""
+def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.FunctionDef = None, source=None,
+             aliases: dict | None = None) -> SaveDef:
+    """What dsfix's replacement of ``fn`` must take, pass and copy; refuses what it cannot carry over.
+    ``fn_ast``/``source``: the same function parsed by ast and its file's text (calls.Source), for line
+    numbers; ``aliases``: the module's top-level imports (folder.module_aliases)."""
     name = fn.name.value
     params = _params(fn)
     positional = [p for p in params if p.kind in ("posonly", "pos")]
     if not positional:
         raise DsfixError(f"{name} takes no positional model parameter", path=rel, line=line)
-    where, folder, taken, _ = _where(fn, rel, line)
-    writes, drops_lora = _writes(fn_ast or ast.parse(code(fn)).body[0])
+    if fn_ast is None or source is None:
+        text = code(fn.with_changes(leading_lines=[], decorators=[]))
+        fn_ast, source, line = ast.parse(text).body[0], calls.Source(text), line if line else None
+    names = {p.name for p in params}
+    lines = folder.Lines(fn, line)
+    body = _body(fn)
+    where = folder.read_folder(fn, body, names, aliases if aliases is not None else {"os": "os"}, lines, rel)
+    writes = _writes(fn_ast)
     if name == "save_hf_format" and "weights" not in writes:
         raise DsfixError(f"{name} saves no weights (no torch.save, save_file or save_pretrained of the model in "
                          "it): there is nothing in it for dsfix to turn into safetensors", path=rel, line=line)
-    body = _body(fn)
-    where_reads = set().union(*(reads(body[i]) for i in taken)) if taken else set()
-    folder_node = cst.parse_expression(folder)
-    where_reads |= reads(folder_node)
-    other_reads = set().union(*(reads(s) for i, s in enumerate(body) if i not in taken)) if body else set()
+    try:
+        keys = keyfilter.read_filter(fn_ast, source, names)
+    except keyfilter.Refused as e:
+        raise DsfixError(f"{name} {e.message}; dsfix leaves out only keys it can test by name as the fork does "
+                         "(in, ==, startswith, endswith, and/or/not): rewrite that test so", path=rel,
+                         line=e.line) from None
+    where_reads = set(where.reads)
+    other_reads = set().union(*(folder.reads(s, where.carried) for s in body)) if body else set()
+    other_reads -= keys.params  # read by the key test, which dsfix's save carries
     model = positional[0].name
     roles, notes, passed = {model: "model"}, [], []
     for p in params[1:] if params[0].name == model else params:
@@ -346,8 +219,8 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int, fn_ast: ast.FunctionDef =
     if name == "save_zero_three_model" and "global_rank" not in dict(passed):
         raise DsfixError(f"{name} takes no global_rank (or rank) parameter that it reads; dsfix needs it to tell "
                          "which rank writes", path=rel, line=line)
-    return SaveDef(name, params, line, where, folder, tuple(passed), tuple(notes), writes=writes,
-                   drops_lora=drops_lora)
+    return SaveDef(name, params, line, where.statements, where.expression, tuple(passed), tuple(notes),
+                   writes=writes, drop=keys.argument())
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,7 +238,7 @@ def default_def(name: str) -> SaveDef:
                                  "    sd = {k: v for k, v in model_ema.named_parameters() if 'lora' not in k}\n"
                                  "    if global_rank == 0: torch.save(sd, os.path.join(save_dir, 'pytorch_model.bin'))\n",
     }
-    d = read_def(cst.parse_statement(sigs[name]), "", 0)
+    d = read_def(cst.parse_statement(sigs[name]), "", None)
     return dataclasses.replace(d, line=0, notes=(), default=True)
 
 
@@ -377,11 +250,13 @@ def find_defs(module: cst.Module, rel: str, data: bytes = b"") -> dict:
     except (SyntaxError, UnicodeDecodeError, LookupError, ValueError):
         tree = None
     nodes = {n.name: n for n in (tree.body if tree else ()) if isinstance(n, ast.FunctionDef)}
+    source = calls.Source(calls.parse(data)[1].text) if tree else None
+    aliases = folder.module_aliases(module) if found else {}
     out = {}
     for name in RENAMES:
         if name in found:
             fn_ast = nodes.get(name)
-            out[name] = read_def(found[name], rel, fn_ast.lineno if fn_ast else None, fn_ast)
+            out[name] = read_def(found[name], rel, fn_ast.lineno if fn_ast else None, fn_ast, source, aliases)
         else:
             out[name] = default_def(name)
     return out
@@ -402,8 +277,8 @@ def generate(sd: SaveDef, docstring: str, indent: str = "    ") -> str:
     taken = {p.name for p in sd.params}
     for key, value in passed.items():
         args.append(f"{key}={value}")
-    if not sd.drops_lora:  # the fork's own save keeps LoRA weights: so does dsfix's
-        args.append("drop=lambda name: False")
+    if sd.drop is not None:  # the fork's own save leaves out other keys than upstream's: so does dsfix's
+        args.append(f"drop={sd.drop}")
     if sd.name == "save_zero_three_model" and "config" in sd.writes:  # the fork's ZeRO-3 save writes config.json
         args.append("with_config=True")
     for e in EXTRAS:

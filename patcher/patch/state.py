@@ -1,6 +1,7 @@
 """Everything that touches the disk: reading targets, the lock, and one all-or-nothing commit.
 
 The state folder ``.dsfix/`` sits at the checkout root and ignores itself (its ``.gitignore`` says ``*``).
+This module is the only one that reads or writes it.
 It keeps, for each patched file, the original bytes and the bytes dsfix wrote, with their hashes, so
 ``revert`` can restore originals exactly and tell when a file was edited after ``apply``.
 
@@ -19,6 +20,7 @@ import errno
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.errors import LOCKED, DsfixError, Written
@@ -61,7 +63,6 @@ def lock(root: Path):
                 raise DsfixError(
                     "another dsfix run is changing this checkout right now; try again when it has finished",
                     code=LOCKED,
-                    path=str(root),
                 ) from None
             raise
         yield
@@ -70,6 +71,60 @@ def lock(root: Path):
 
 
 # ----------------------------------------------------------------------------- the state folder
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the last apply recorded besides the files: the options a later run without them uses again."""
+
+    root: Path  # the checkout folder that holds the state folder
+    main: str | None  # the step-1 script, relative to ``root``
+    scripts: tuple  # further step-1 scripts (--script), relative to ``root``
+    strategy: str | None
+    steps: tuple  # () when not recorded
+
+
+def find_root(repo: str | os.PathLike = ".") -> Path | None:
+    """The folder at or above ``repo`` whose state folder records an earlier apply, if any."""
+    start = Path(repo)
+    if not start.exists():
+        raise DsfixError("no such file or folder; pass a DeepSpeed-Chat checkout or a folder inside it",
+                         path=str(repo))
+    start = start.resolve()
+    for d in (start, *start.parents):
+        if (d / STATE_DIR / "state.json").is_file() or any(d.glob(f"{STATE_DIR}.old-*")):
+            return d
+    return None
+
+
+def _options(data: dict) -> tuple:
+    """(strategy, steps) from state.json; a state folder of an older dsfix has them only per file."""
+    entries = data.get("files") or {}
+    strategy = data.get("strategy") or next(
+        (e.get("strategy") for e in entries.values() if isinstance(e, dict) and e.get("role") == "utils"), None)
+    steps = data.get("steps")
+    if not steps:
+        roles = {e.get("role") for e in entries.values() if isinstance(e, dict)}
+        steps = [n for n in (1, 2, 3) if f"step{n}" in roles]
+    steps = tuple(sorted({int(n) for n in steps if int(n) in (1, 2, 3)}))
+    return (strategy if strategy in ("clone", "dedupe") else None), steps
+
+
+def recorded(repo: str | os.PathLike = ".") -> Record | None:
+    """The options the state folder at or above ``repo`` records; None when there is none or it cannot be
+    read (``load`` tells what is wrong with it when it matters)."""
+    root = find_root(repo)
+    return record_at(root) if root is not None else None
+
+
+def record_at(root: Path) -> Record | None:
+    """The options the state folder of the checkout ``root`` records, if it has one that can be read."""
+    try:
+        data = json.loads((root / STATE_DIR / "state.json").read_text("utf-8"))
+        strategy, steps = _options(data)
+        return Record(root, data.get("main"), tuple(data.get("scripts", ())), strategy, steps)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _orphans(root: Path, kind: str) -> list:
@@ -108,14 +163,14 @@ def load(root: Path) -> Saved | None:
     """The state folder's content, each copy checked against its hash; None when there is none."""
     folder = root / STATE_DIR
     if folder.is_symlink():
-        raise DsfixError("the state folder is a symlink; refusing to use it", path=STATE_DIR)
+        raise DsfixError("the state folder is a symlink; refusing to use it", path=STATE_DIR + "/")
     if not (folder / "state.json").is_file():
         return None
     try:
         data = json.loads((folder / "state.json").read_text("utf-8"))
         if data.get("state_version", 1) > STATE_VERSION:
             raise DsfixError(f"the state folder was written by a newer dsfix (state version {data['state_version']}); "
-                             "revert with that version", path=STATE_DIR)
+                             "revert with that version", path=STATE_DIR + "/")
         entries, blobs = data["files"], {}
         for rel, entry in entries.items():
             for kind in ("original", "patched"):
@@ -123,10 +178,11 @@ def load(root: Path) -> Saved | None:
                 if sha256(blob) != entry[f"{kind}_sha256"]:
                     raise ValueError(f"{kind} copy of {rel} does not match its hash")
                 blobs[(rel, kind)] = blob
+        strategy, steps = _options(data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DsfixError(f"the state folder is damaged ({e}); move it away to revert structurally",
-                         path=STATE_DIR) from None
-    return Saved(entries, blobs, data.get("main"), tuple(data.get("scripts", ())))
+                         path=STATE_DIR + "/") from None
+    return Saved(entries, blobs, data.get("main"), tuple(data.get("scripts", ())), strategy, steps)
 
 
 def _build(folder: Path, saved: Saved) -> None:
@@ -134,7 +190,8 @@ def _build(folder: Path, saved: Saved) -> None:
     files = {".gitignore": b"# written by dsfix: this folder ignores itself\n*\n"}
     for (rel, kind), data in saved.blobs.items():
         files[f"{kind}/{rel}"] = data
-    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main, "scripts": list(saved.scripts)}
+    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main, "scripts": list(saved.scripts),
+              "strategy": saved.strategy, "steps": list(saved.steps)}
     files["state.json"] = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
     for name, data in files.items():
         p = folder / name
@@ -195,7 +252,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                 _build(new_dir, state)
             except OSError as e:
                 raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
-                                 path=STATE_DIR) from None
+                                 path=STATE_DIR + "/") from None
         for target, data in writes:
             try:
                 temps.append((target, _write_temp(target, data)))
@@ -210,7 +267,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                     os.replace(new_dir, folder)
             except OSError as e:
                 raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
-                                 path=STATE_DIR) from None
+                                 path=STATE_DIR + "/") from None
         for target, tmp in temps:
             old = target.read_bytes() if target.exists() else None
             try:

@@ -264,7 +264,7 @@ def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, r
         raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
     defs = signature.find_defs(base, rel, data)
     for d in defs.values():
-        notes += list(d.notes)
+        notes += list(d.notes) if info is None else []  # told when the block went in; an update only changes it
     replaced, kept, slot = [], [], None
     after = _block_predecessor(module) if info else None
     for stmt in base.body:
@@ -287,20 +287,23 @@ def patch_utils(data: bytes, module: cst.Module, tpl: Template, strategy: str, r
     if info and info.get("replaced"):
         replaced = info["replaced"].split(",") + [r for r in replaced if r not in info["replaced"].split(",")]
     new, added = _add_imports(new, tpl.imports)
-    if added:
-        notes.append("added imports: " + ", ".join(s.source() for s in added))
-    if info and info.get("added-imports"):
-        before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")]
-        added = before + [a for a in added if a not in before]
+    before = [ImportSpec.from_token(t) for t in info["added-imports"].split(",")] if info and info.get(
+        "added-imports") else []
+    fresh = [a for a in added if a not in before]  # the imports an earlier apply added are in the file already
+    if fresh:
+        notes.append("added imports: " + ", ".join(s.source() for s in fresh))
+    added = before + fresh
     marker = make_marker(tpl.version, strategy, added, replaced)
     code = _with_block(new, block_text(tpl, defs, marker, new.default_indent, new.default_newline))
     try:
         out = code.encode(module.encoding)
     except UnicodeEncodeError as e:
         raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
-    if info and (info.get("template") != f"v{tpl.version}" or info.get("strategy") != strategy):
-        notes.insert(0, f"upgraded dsfix's block from template {info.get('template')} strategy "
-                        f"{info.get('strategy')} to v{tpl.version} strategy {strategy}")
+    if info:
+        what = [f"template {info.get('template')} -> v{tpl.version}"] if info.get("template") != f"v{tpl.version}" else []
+        what += [f"strategy {info.get('strategy')} -> {strategy}"] if info.get("strategy") != strategy else []
+        if what:
+            notes.insert(0, "updates dsfix's block: " + ", ".join(what))
     return UtilsResult(out, notes if out != data else [], defs)
 
 
@@ -566,16 +569,28 @@ TRACKED = tuple(RENAMES) + tuple(NEW_NAMES)
 def find_save_calls(data: bytes, modules: tuple, rel: str = "main.py") -> tuple:
     """(decoded text, calls.ScriptCalls) for a script."""
     tree, decoded = calls.parse_script(data, rel)
-    return decoded, calls.find_calls(tree, decoded.text, modules, TRACKED)
+    return decoded, calls.find_calls(tree, decoded.text, modules, TRACKED, strings=tuple(RENAMES))
 
 
-def _edit(text: str, found: calls.ScriptCalls, renames: dict, imports: "_ImportEditor", newline: str) -> str:
+def _spliced(text: str, base: int, splices: list) -> str:
+    """``text`` (found at offset ``base`` of the whole script) with the splices that fall inside it made."""
+    out, at = [], 0
+    for start, end, new in splices:
+        if base <= start and end <= base + len(text):
+            out += [text[at:start - base], new]
+            at = end - base
+    return "".join(out) + text[at:]
+
+
+def _edit(text: str, found: calls.ScriptCalls, renames: dict, imports: "_ImportEditor", newline: str,
+          splices: list = ()) -> str:
     """Run the editor over each statement to edit, each parsed by libcst on its own, and splice the results
     back into ``text``: every other character stays as it was. A statement whose text is not a module by
-    itself (an if/for/def holding a call in its header) makes libcst parse the whole file instead."""
+    itself (an if/for/def holding a call in its header) makes libcst parse the whole file instead.
+    ``splices``: (start, end, new text) renames of uses that are not calls, made in the text first."""
     if any(site.compound for site in found.sites):
         editor = _MainEditor(found, renames, imports)
-        module = cst.parse_module(text, config=cst.PartialParserConfig(default_newline=newline))
+        module = cst.parse_module(_spliced(text, 0, splices), config=cst.PartialParserConfig(default_newline=newline))
         new = module.visit(editor).code
         _check_matched(editor.seen, found.candidates)
         return new
@@ -583,11 +598,11 @@ def _edit(text: str, found: calls.ScriptCalls, renames: dict, imports: "_ImportE
     config = cst.PartialParserConfig(default_newline=newline)
     for site in found.sites:
         editor = _MainEditor(found, renames, imports, first=site.first)
-        snippet = cst.parse_module(text[site.start:site.end], config=config)
-        out += [text[at:site.start], snippet.visit(editor).code]
+        snippet = cst.parse_module(_spliced(text[site.start:site.end], site.start, splices), config=config)
+        out += [_spliced(text[at:site.start], at, splices), snippet.visit(editor).code]
         at = site.end
         _check_matched(editor.seen, found.candidates[site.first:site.first + site.count])
-    return "".join(out) + text[at:]
+    return "".join(out) + _spliced(text[at:], at, splices)
 
 
 def _check_matched(seen: list, expected: list) -> None:
@@ -601,24 +616,37 @@ def _newline(text: str) -> str:
 
 
 def rename_calls(decoded: calls.Decoded, found: calls.ScriptCalls, mapping: dict, modules: tuple) -> Result:
-    """The script's bytes with every call of a ``mapping`` key renamed, and its imports edited to match."""
+    """The script's bytes with every call and every other use of a ``mapping`` key renamed, and its imports
+    edited to match."""
     mine = [c for c in found.calls if c.name in mapping]
+    values = [u for u in found.uses if u.name in mapping]
     renames = {c.index: (c, mapping[c.name]) for c in mine if not _aliased(c)}  # aliased: the import is renamed
-    if not mine:
+    if not mine and not values:
         return Result(None, [])
     uses = dict(found.reads)
-    for c, _new in renames.values():
-        if c.how == c.name:  # a bare call renamed: one read moves from the old name to the new one
-            uses[c.name] = uses.get(c.name, 0) - 1
-            uses[mapping[c.name]] = uses.get(mapping[c.name], 0) + 1
+    moved = [c.name for c, _new in renames.values() if c.how == c.name]  # a bare call renamed
+    moved += [u.name for u in values if u.how == u.name]  # a bare use renamed
+    for old in moved:  # one read moves from the old name to the new one
+        uses[old] = uses.get(old, 0) - 1
+        uses[mapping[old]] = uses.get(mapping[old], 0) + 1
     still_used = {old for old in mapping if uses.get(old, 0) > 0}
     needed = {new for new in mapping.values() if uses.get(new, 0) > 0}
-    touched = {c.name for c in mine}
+    touched = {c.name for c in mine} | {u.name for u in values}
     imported = {bound for bound, q in found.imported.items() if q.rsplit(".", 1)[1] == bound}
     imports = _ImportEditor(mapping, modules, touched, still_used, needed, imported)
-    text = _edit(decoded.text, found, renames, imports, _newline(decoded.text))
+    splices = [(u.start, u.end, mapping[u.name]) for u in values if u.how == u.name or "." in u.how]
+    text = _edit(decoded.text, found, renames, imports, _newline(decoded.text), splices)
     notes = [_call_note(c.name, c.how, mapping[c.name]) for c in mine]
+    notes += [_use_note(u, mapping[u.name]) for u in values]
     return Result(text.encode(decoded.encoding), _dedupe(notes) + imports.notes)
+
+
+def _use_note(u: calls.Use, new: str) -> str:
+    if u.how == u.name:
+        return f"{u.name} as a value (line {u.line}) -> {new}"
+    if u.how.endswith("." + u.name):
+        return f"{u.how} as a value (line {u.line}) -> {u.how[: -len(u.name)]}{new}"
+    return f"{u.how} as a value (line {u.line}) now refers to {new} (its import is renamed)"
 
 
 def _call_note(old: str, how: str, new: str) -> str:
@@ -644,16 +672,35 @@ def _aliased(c: calls.SaveCall) -> bool:
 
 
 def patch_main(data: bytes, modules: tuple, defs: dict, rel: str = "main.py") -> Result:
-    """Rename the save calls, after checking that each one binds to dsfix's function as it bound to the
-    checkout's own (``defs``: old name -> signature.SaveDef, from patch_utils)."""
+    """Rename the save calls and every other use of the save functions, after checking that each call binds
+    to dsfix's function as it bound to the checkout's own (``defs``: old name -> signature.SaveDef, from
+    patch_utils), and that each other use may refer to dsfix's function instead."""
     decoded, found = find_save_calls(data, modules, rel)
-    if not found.calls:
+    old = [c for c in found.calls if c.name in RENAMES]
+    values = [u for u in found.uses if u.name in RENAMES]
+    if found.unsafe:
+        line, why = found.unsafe[0]
+        more = f" (and {len(found.unsafe) - 1} more)" if len(found.unsafe) > 1 else ""
+        raise DsfixError(f"{why}{more}; rename or remove that use and run dsfix again", line=line)
+    if not found.calls and not found.uses:
         raise DsfixError("has no call of save_hf_format imported from the checkout's utils.py to rewrite")
     for c in found.calls:
         check_binding(defs[NEW_NAMES.get(c.name, c.name)], c)
+    for u in values:
+        check_passable(defs[u.name], u)
     res = rename_calls(decoded, found, RENAMES, modules)
-    res.warnings = unconfigured_saves(found.calls)
+    res.warnings = unconfigured_saves(found.calls) if old or not values else []
     return res
+
+
+def check_passable(sd, use: calls.Use) -> None:
+    """A use that is not a call (the function stored or passed on) is called later with arguments dsfix
+    cannot see: it may refer to dsfix's function only when that takes exactly the fork's parameters."""
+    names = {p.name for p in sd.params}
+    if any(p.kind == "varkw" for p in sd.params) and not all(e in names for e in signature.EXTRAS):
+        raise DsfixError(f"{use.how} is used as a value (stored or passed on), and dsfix's {RENAMES[sd.name]} "
+                         f"takes keywords ({', '.join(signature.EXTRAS)}) that the fork's **{sd.params[-1].name} "
+                         "would have taken; call it directly instead", line=use.line)
 
 
 def unconfigured_saves(found: list) -> list:
@@ -691,4 +738,5 @@ def unpatch_main(data: bytes, modules: tuple, rel: str = "main.py") -> Result:
 
 
 def main_is_patched(data: bytes, modules: tuple, rel: str = "main.py") -> bool:
-    return any(c.name in NEW_NAMES for c in find_save_calls(data, modules, rel)[1].calls)
+    found = find_save_calls(data, modules, rel)[1]
+    return any(c.name in NEW_NAMES for c in [*found.calls, *found.uses])

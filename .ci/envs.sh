@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# CI's environments besides the main one (.ci/run builds that one): each is built from scratch into a
+# fresh virtual environment and runs the tests its versions matter for.
+#
+#   .ci/envs.sh floor    the oldest versions dsfix supports (.ci/floor.txt): Python 3.9, torch 2.1, numpy 2
+#                        (which torch before 2.3 cannot use), transformers 4.51, safetensors 0.4.3,
+#                        DeepSpeed 0.14.4: the inserted save's tests, a patched step-1 save and reload on
+#                        ZeRO-0 and on ZeRO-3 with 2 ranks, smoke, verify and the demo
+#   .ci/envs.sh newest   the current torch with the newest transformers 5.x, as a `[smoke]` install gets
+#                        it (no DeepSpeed): the torch side's tests (template, smoke, verify, convert); the
+#                        tests that run upstream DeepSpeed-Chat's own code need transformers 4 and stay in
+#                        the main environment
+#
+# Python 3.9 for the floor: `python3.9` if it runs, else pyenv's newest 3.9; neither is an error.
+# Exit status: pytest's (an empty selection is an error too), or 1 when an install fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+which_env=${1:?usage: .ci/envs.sh floor|newest}
+TORCH_VERSION=2.13.0  # the main environment's torch (.ci/run)
+
+log=$(mktemp)
+install() {
+  if ! "$@" >>"$log" 2>&1; then
+    cat "$log" >&2
+    echo "ci: installing the $which_env environment failed: $*" >&2
+    exit 1
+  fi
+}
+
+python39() {
+  if command -v python3.9 >/dev/null && python3.9 -c "import sys; assert sys.version_info[:2] == (3, 9)" 2>/dev/null; then
+    command -v python3.9
+    return
+  fi
+  local found
+  found=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.9.*/bin/python 2>/dev/null | sort -V | tail -n 1)
+  if [ -n "$found" ] && "$found" -c "import sys; assert sys.version_info[:2] == (3, 9)" 2>/dev/null; then
+    echo "$found"
+    return
+  fi
+  echo "ci: the floor environment needs Python 3.9: no working python3.9 on PATH and none under pyenv's versions" >&2
+  return 1
+}
+
+case "$which_env" in
+  floor)
+    python=$(python39)
+    venv=.venv-floor
+    install_env() {
+      # torch first, alone: 2.1.2 from PyPI is the CUDA build; it runs on a CPU, but only with its nvidia
+      # libraries installed, which it loads at import
+      install python -m pip install -q -c .ci/floor.txt torch numpy
+      install env DS_BUILD_OPS=0 python -m pip install -q -c .ci/floor.txt -e . torch numpy transformers safetensors \
+        deepspeed 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2'
+    }
+    tests=(tests/test_versions.py tests/test_template.py
+           tests/test_template_zero3.py::test_zero0_one_rank
+           tests/test_template_zero3.py::test_zero3_two_cpu_ranks_with_a_checkout_patched_by_dsfix
+           tests/test_smoke.py tests/test_verify.py
+           tests/test_cli_model.py::test_demo_passes
+           --deselect tests/test_smoke.py::test_full_qwen3_0_6b_config_in_process)  # the demo runs that config
+    ;;
+  newest)
+    python=python3
+    venv=.venv-newest
+    install_env() {
+      install python -m pip install -q "torch==$TORCH_VERSION"
+      install python -m pip install -q -e '.[smoke]' 'transformers>=5,<6' 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2'
+    }
+    tests=(tests/test_versions.py tests/test_template.py tests/test_smoke.py tests/test_verify.py tests/test_convert.py
+           tests/test_cli_model.py
+           --deselect tests/test_smoke.py::test_full_qwen3_0_6b_config_in_process)  # test_demo_passes runs it
+    ;;
+  *)
+    echo "usage: .ci/envs.sh floor|newest" >&2
+    exit 2
+    ;;
+esac
+
+start=$SECONDS
+rm -rf "$venv"
+"$python" -m venv "$venv"
+. "$venv/bin/activate"
+install python -m pip install -q --upgrade pip
+install_env
+installed=$((SECONDS - start))
+python - "$which_env" torch numpy transformers safetensors deepspeed <<'EOF_PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+
+def have(name):
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return f"no {name}"
+
+
+print(f"env {sys.argv[1]}: Python {sys.version.split()[0]} | " + " | ".join(have(p) for p in sys.argv[2:]))
+EOF_PY
+echo "env $which_env: installed in ${installed}s, $(du -sh "$venv" | cut -f1)"
+
+set +e
+python -m pytest -q -p no:cacheprovider "${tests[@]}"
+rc=$?
+set -e
+echo "env $which_env: tests took $((SECONDS - start - installed))s"
+if [ "$rc" -eq 5 ]; then
+  echo "ci: the $which_env environment collected no tests" >&2
+  exit 1
+fi
+exit "$rc"

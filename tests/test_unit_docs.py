@@ -1,0 +1,44 @@
+"""The documents hold together: the README stays short, every relative link leads to a file, and the PyPI
+description (which a wheel user reads away from the clone) links only to absolute addresses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_readme_is_short():
+    assert len((REPO / "README.md").read_bytes()) <= 12 * 1024
+
+
+def test_readme_quotes_the_error_and_names_the_fast_tier():
+    text = (REPO / "README.md").read_text()
+    assert ("Some tensors share memory, this will lead to duplicate memory on disk and potential differences "
+            "when loading them again") in text
+    assert 'python -m pytest -m "not slow"' in text
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d.name != "pypi.md"], ids=lambda d: d.name)
+def test_relative_links_lead_to_files(doc):
+    broken = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        if not (doc.parent / target.split("#")[0]).exists():
+            broken.append(target)
+    assert broken == []
+
+
+def test_the_pypi_description_links_only_to_the_project():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert meta["readme"] == {"file": "docs/pypi.md", "content-type": "text/markdown"}
+    repo = meta["urls"]["Repository"]
+    links = LINK.findall((REPO / "docs" / "pypi.md").read_text())
+    assert links and all(link.startswith(repo + "/") for link in links), links

@@ -1,0 +1,64 @@
+"""The version floor (.ci/floor.txt) agrees with pyproject.toml, and dsfix passes the dtype keyword that the
+installed transformers reads."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from smokekit import REPO
+from patcher.checkpoint.verify import dtype_kwarg
+
+
+def _floor() -> dict:
+    pins = {}
+    for line in (REPO / ".ci" / "floor.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name] = version
+    return pins
+
+
+def _lower_bound(name: str) -> str:
+    found = set(re.findall(r'"%s>=([0-9.]+)[,"]' % re.escape(name), (REPO / "pyproject.toml").read_text()))
+    assert len(found) == 1, f"pyproject.toml should state one lower bound for {name}: {found}"
+    return found.pop()
+
+
+@pytest.mark.parametrize("name", ["torch", "transformers", "safetensors", "deepspeed"])
+def test_pyproject_states_the_tested_floor(name):
+    """The lower bound is the floor CI tests, given to as many places as pyproject.toml writes: torch>=2.1
+    holds 2.1.2, and not 2.10."""
+    bound = _lower_bound(name).split(".")
+    assert _floor()[name].split(".")[:len(bound)] == bound
+
+
+def test_the_floor_runs_numpy_2():
+    """The floor env proves the save needs no numpy: torch before 2.3 cannot use numpy 2."""
+    assert _floor()["numpy"].startswith("2.")
+    assert tuple(int(x) for x in _floor()["torch"].split(".")[:2]) < (2, 3)
+
+
+@pytest.mark.parametrize("version,keyword", [
+    ("4.51.0", "torch_dtype"),
+    ("4.55.4", "torch_dtype"),
+    ("4.56.0", "dtype"),
+    ("4.57.1", "dtype"),
+    ("4.57.0.dev0", "dtype"),
+    ("5.0.0", "dtype"),
+    ("5.25.0", "dtype"),
+])
+def test_dtype_keyword_by_version(version, keyword):
+    assert dtype_kwarg(version) == keyword
+
+
+@pytest.mark.slow
+def test_the_installed_transformers_reads_the_keyword(tiny_qwen3_helper):
+    """The keyword chosen for this transformers is the one it honours: the model comes out in that dtype."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_qwen3_helper.tiny_qwen3_config(num_hidden_layers=1)
+    model = AutoModelForCausalLM.from_config(config, **{dtype_kwarg(): torch.float16})
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
