@@ -422,3 +422,24 @@ def test_benchmark_runs_on_a_checkpoint_and_prints_the_ratios(engine_checkpoints
     assert results["z2f_safe"]["returncode"] != 0 and "share memory" in results["z2f_safe"]["error"]
     assert (results["dsfix_bf16"]["tensors"], results["z2f_bf16"]["tensors"]) == (311, 311)
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+@pytest.mark.slow
+def test_shards_and_index_above_the_shard_size(engine_checkpoints, tmp_path):
+    from safetensors import safe_open
+
+    ckpt, model_dir = engine_checkpoints
+    out = tmp_path / "out"
+    result = engine.convert_engine(ckpt / "zero3", model_dir, out, dtype="bf16", max_shard_size=400_000)
+    assert result.ok, result.checks
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and set(shards) <= set(result.written)
+    assert len(index["weight_map"]) == 311
+    assert result.check("load").ok and result.check("files").ok
+    for shard in shards:  # every tensor at a multiple of its element size, as safetensors' own writer puts it
+        with open(out / shard, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        assert all(v["data_offsets"][0] % 2 == 0 for k, v in header.items() if k != "__metadata__")
+        with safe_open(str(out / shard), framework="pt") as f:
+            assert set(f.keys()) == {k for k, s in index["weight_map"].items() if s == shard}

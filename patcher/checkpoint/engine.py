@@ -43,9 +43,10 @@ from typing import NamedTuple, Optional
 from patcher.checkpoint.checks import (
     CONFIG_NAME, INDEX_NAME, Check, Header, examples, keys_check, load_config, nonempty_check, shapes_check,
 )
+from patcher.checkpoint.convert import ConvertStatus
 from patcher.checkpoint.files import fsync
 from patcher.checkpoint.verify import Checks, expected_of, load_check, meta_model, verify_folder
-from patcher.errors import OK, PENDING, DsfixError, Written
+from patcher.errors import DsfixError, Written
 from patcher.report import Result
 
 LATEST = "latest"
@@ -350,7 +351,7 @@ class EngineResult(Result, Checks):
 
     path: str  # the checkpoint folder given
     output: str
-    status: str  # "converted" or "failed" (a check failed: nothing written)
+    status: ConvertStatus  # CONVERTED, or FAILED (a check failed: nothing written)
     ok: bool
     checks: tuple = ()
     tag: str = ""
@@ -368,7 +369,7 @@ class EngineResult(Result, Checks):
 
     @property
     def exit_code(self) -> int:
-        return OK if self.ok else PENDING
+        return self.status.exit_code
 
     @property
     def message(self) -> str:
@@ -383,7 +384,7 @@ class EngineResult(Result, Checks):
                 f"{self.precision} optimizer states), written to {self.output}")
 
     def body(self) -> dict:
-        return {"path": self.path, "kind": "deepspeed-engine-checkpoint", "output": self.output, "status": self.status,
+        return {"path": self.path, "kind": "deepspeed-engine-checkpoint", "output": self.output, "status": self.status.value,
                 "ok": self.ok, "tag": self.tag, "zero_stage": self.stage, "world_size": self.world,
                 "precision": self.precision, "dtype": self.dtype, "strategy": self.strategy, "tensors": self.tensors,
                 "written": list(self.written), "bytes_written": self.bytes_written, "note": self.note,
@@ -549,7 +550,7 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
                                    f"{len(meta.get('shared_params') or {})} shared; read weights-only")
     checks.insert(0, source)
     if not all(c.ok for c in checks):
-        return EngineResult(status="failed", ok=False, checks=tuple(checks), stage=stage_guess,
+        return EngineResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(checks), stage=stage_guess,
                             note="a check failed before writing", **base)
 
     try:
@@ -567,7 +568,7 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
             _verify(staging, len(entries), load, cfg, out_dtype, checks)
         nbytes = sum((staging / f).stat().st_size for f in files)
         if not all(c.ok for c in checks):
-            return EngineResult(status="failed", ok=False, checks=tuple(checks), stage=stage, tensors=len(entries),
+            return EngineResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(checks), stage=stage, tensors=len(entries),
                                 note="a check of the written folder failed", **base)
         try:
             os.rename(staging, output)  # onto a missing or empty folder: atomic
@@ -577,7 +578,7 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
                              path=str(output))
         fsync(output.parent)
         written = tuple(sorted(p.name for p in output.iterdir()))
-        return EngineResult(status="converted", ok=True, checks=tuple(checks), stage=stage, tensors=len(entries),
+        return EngineResult(status=ConvertStatus.CONVERTED, ok=True, checks=tuple(checks), stage=stage, tensors=len(entries),
                             written=written, bytes_written=nbytes, **base)
     finally:
         if staging.exists():
