@@ -104,7 +104,7 @@ def make_checkpoint(work, steps):
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),
            os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "engine_ckpt.py"), "--output_dir", work,
            "--stages", "3", "--config", FULL_CONFIG, "--steps", str(steps), "--freeze", "", "--no_reference"]
-    env = rank_env()
+    env = rank_env(nproc=2)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([REPO_ROOT, env.get("PYTHONPATH", "")]))
     code, output = run_group(cmd, env, 3600, cwd=REPO_ROOT)
@@ -154,7 +154,8 @@ def main():
                 entry["tensors"] = int(stdout.split()[-1])
             else:
                 lines = err.strip().splitlines() or ["?"]
-                entry["error"] = next((l for l in reversed(lines) if "Error" in l or "error:" in l), lines[-1]).strip()[:300]
+                at = max([i for i, l in enumerate(lines) if "Error" in l or "error:" in l] or [len(lines) - 1])
+                entry["error"] = " ".join(l.strip() for l in lines[at:at + 3])[:300]
             entry["written_mib"] = du_mib(out) if os.path.isdir(out) else 0.0
             results[key] = entry
             shutil.rmtree(out, ignore_errors=True)

@@ -254,7 +254,7 @@ def engine_checkpoints(tmp_path_factory, tiny_qwen3_helper):
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),
            str(REPO / "fixtures" / "step1_trainer" / "engine_ckpt.py"), "--output_dir", str(base / "ckpt"),
            "--stages", "2,3"]
-    env = rank_env()
+    env = rank_env(nproc=2)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     code, output = run_group(cmd, env, LAUNCH_TIMEOUT_S, cwd=str(REPO))

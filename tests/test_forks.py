@@ -107,6 +107,7 @@ def test_refused_fork_names_file_line_and_reason(tmp_path, name):
         assert code == 2, err
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("dsfix: error: "), err
+        assert len(lines[0]) <= 300 and str(top) not in lines[0], lines[0]
         assert meta["message"] in lines[0], lines[0]
         assert out == b""
         assert snapshot(top) == before, f"{verb} wrote nothing"

@@ -78,6 +78,8 @@ REFUSED = [
     ("two step-1 scripts", {**PKG, **_mains(2)}, None,
      [f"2 step-1 scripts named {S1} and none at training/{S1}", f"--main v0/{S1} or --main v1/{S1}"]),
     ("five: the list is cut", {**PKG, **_mains(5)}, None, [f"--main v2/{S1} and 2 more"]),
+    ("a folder with a space", {**PKG, f"my runs/{S1}": FROM_PKG, f"v/{S1}": FROM_PKG}, None,
+     [f"--main 'my runs/{S1}' or --main v/{S1}"]),
     ("another name needs --main", {**PKG, "training/step1_supervised_finetuning/sft.py": FROM_PKG}, None,
      ["no training/step1_supervised_finetuning/main.py", "--main training/step1_supervised_finetuning/sft.py"]),
     ("no checkout, two scripts", {"a.py": FROM_PKG, "b.py": FROM_PKG}, None,

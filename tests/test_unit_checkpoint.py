@@ -1,7 +1,8 @@
 """Fast tests of the torch side's pure parts: the checks verify and convert share (on headers written out by
 hand), the folder rules, the refusals that come before any model is built, the worker's extraction of
-dsfix's code, the rank environment, and the demo's own files. Nothing here imports torch but the one critic
-test, which needs it for the module and nothing more."""
+dsfix's code, the rank environment, and the demo's own files. Nothing here imports torch but the critic
+test, which needs it for the module and nothing more, and the convert refusals (slow: convert silences
+transformers first, which imports it)."""
 
 from __future__ import annotations
 
@@ -189,6 +190,7 @@ def test_verify_refuses_before_reading(tmp_path, make, message):
     assert e.value.message.startswith(message) and e.value.code == 2
 
 
+@pytest.mark.slow  # convert quiets transformers first: its import alone is seconds
 @pytest.mark.parametrize("make, kwargs, message", [
     (lambda p: p, {"strategy": "fast"}, "--strategy must be clone or dedupe, not fast"),
     (lambda p: p / "nope", {}, "no such folder"),
@@ -207,6 +209,7 @@ def test_convert_refuses_before_loading(tmp_path, make, kwargs, message):
     assert e.value.message == message and e.value.code == 2
 
 
+@pytest.mark.slow  # likewise
 def test_convert_leaves_a_safetensors_folder_alone(tmp_path):
     from patcher.checkpoint.convert import convert
 

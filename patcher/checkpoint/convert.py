@@ -40,6 +40,7 @@ from typing import Optional
 
 from patcher.checkpoint import checks as ck
 from patcher.checkpoint.checks import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Header, examples
+from patcher.checkpoint.files import fsync
 from patcher.checkpoint.verify import Checks, model_folders
 from patcher.errors import OK, PENDING, DsfixError, Written
 from patcher.report import Result
@@ -430,40 +431,20 @@ def _equal(a, b) -> bool:
 
 
 def _unshare(tensors: dict) -> tuple[dict, list]:
-    """The tensors, each its own contiguous memory as save_file wants; copies only what overlaps or is strided."""
-    out, seen, copied = {}, {}, []
+    """The tensors, each its own contiguous memory as save_file wants; copies only what overlaps or is strided.
+    What overlaps is the inserted save's own rule (the template's ``_dsfix_find_alias``), so both agree."""
+    from patcher.resources import load_module
+
+    find_alias = load_module("templates", "save_safetensors.py")._dsfix_find_alias
+    out, spans, copied = {}, {}, []
     for key, t in tensors.items():
         if not t.is_contiguous():
             t = t.contiguous()
-        elif t.numel():
-            storage = t.untyped_storage()
-            start = t.data_ptr()
-            end = start + t.numel() * t.element_size()
-            spans = seen.setdefault((storage.data_ptr(), storage.nbytes()), [])
-            if any(start < e and s < end for s, e in spans):
-                t = t.clone()
-                copied.append(key)
-            else:
-                spans.append((start, end))
+        elif find_alias(key, t, spans)[0] is not None:
+            t = t.clone()
+            copied.append(key)
         out[key] = t
     return out, copied
-
-
-def fsync(path: Path) -> None:
-    """fsync a written file (an error raises), or a folder so a rename in it lasts (where the system allows)."""
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        if path.is_dir():
-            return
-        raise
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not path.is_dir():
-            raise
-    finally:
-        os.close(fd)
 
 
 def _stage(plan: _Plan, load: bool, advance) -> tuple[Path, list, list]:

@@ -43,6 +43,7 @@ from typing import NamedTuple, Optional
 from patcher.checkpoint.checks import (
     CONFIG_NAME, INDEX_NAME, Check, Header, examples, keys_check, load_config, nonempty_check, shapes_check,
 )
+from patcher.checkpoint.files import fsync
 from patcher.checkpoint.verify import Checks, expected_of, load_check, meta_model, verify_folder
 from patcher.errors import OK, PENDING, DsfixError, Written
 from patcher.report import Result
@@ -561,7 +562,7 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
         for name in (CONFIG_NAME,) + COPIED:
             if (config / name).is_file():
                 shutil.copyfile(config / name, staging / name)
-        _fsync(staging)
+        fsync(staging)
         checks = [source._replace(detail=source.detail.replace("ZeRO-1/2", f"ZeRO-{stage}"))] + \
             _verify(staging, len(entries), load, cfg, out_dtype, checks)
         nbytes = sum((staging / f).stat().st_size for f in files)
@@ -574,7 +575,7 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
         except OSError as e:
             raise DsfixError(f"cannot move the converted folder into place: {e.strerror or e}; nothing written",
                              path=str(output))
-        _fsync(output.parent)
+        fsync(output.parent)
         written = tuple(sorted(p.name for p in output.iterdir()))
         return EngineResult(status="converted", ok=True, checks=tuple(checks), stage=stage, tensors=len(entries),
                             written=written, bytes_written=nbytes, **base)
@@ -619,15 +620,11 @@ def _layout_files(entries: list, limit: int, staging: Path) -> list:
     """[(file name, header bytes, {name: (absolute data offset, nbytes)})], laid out by the inserted save's own
     function (``_dsfix_files``: runs up to ``limit`` bytes, each file's tensors by dtype then name, every
     offset aligned), so both write the same format."""
-    import importlib.util
-
     import torch
 
-    from patcher.resources import resource_path
+    from patcher.resources import load_module
 
-    spec = importlib.util.spec_from_file_location("dsfix_template_save", resource_path("templates", "save_safetensors.py"))
-    tpl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tpl)
+    tpl = load_module("templates", "save_safetensors.py")
     records = [tpl._DsfixTensor(e.name, torch.empty(0, dtype=e.dtype, device="meta"), None, tuple(e.shape),
                                 _numel(e.shape) * torch.empty((), dtype=e.dtype).element_size()) for e in entries]
     out = []
@@ -710,7 +707,7 @@ def _write(layout: Layout, meta: dict, entries: list, staging: Path, world: int,
         index = {"metadata": {"total_size": total},
                  "weight_map": dict(sorted((k, f[0]) for f in files for k in f[2]))}
         (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        _fsync(staging / INDEX_NAME)
+        fsync(staging / INDEX_NAME)
         names.append(INDEX_NAME)
     return names, stage
 
@@ -785,19 +782,6 @@ def _stream(layout: Layout, meta: dict, world: int, put) -> int:
             for name, tensor in buffers.items():
                 put(name, 0, tensor.reshape(-1))
     return stage
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @contextmanager

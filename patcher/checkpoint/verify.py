@@ -451,9 +451,9 @@ def same_bits(a, b) -> bool:
 
 def dtype_kwarg(version: Optional[str] = None) -> str:
     """The keyword that ``from_pretrained``/``from_config`` of transformers ``version`` (default: the installed
-    one) read the dtype from: ``dtype`` from 4.56 on, ``torch_dtype`` before. Both go through ``**kwargs``, and
-    the older releases take an unknown ``dtype`` without a word (as a config attribute), so ask the version
-    rather than the signature, and never pass one it ignores."""
+    one) read the dtype from: ``dtype`` from 4.56 on, ``torch_dtype`` before (4.51 hands ``dtype`` to the
+    model's constructor: a TypeError; later releases warn that ``torch_dtype`` is deprecated). Both go through
+    ``**kwargs``, so the signature cannot tell: ask the version."""
     if version is None:
         import transformers
 

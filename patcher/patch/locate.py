@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,10 +156,10 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
         base = root or home
         found = step1_candidates(base)
         if len(found) > 1:
-            rels = [_rel(base, p) for p in found]
+            rels = [Path(os.path.relpath(p, home)).as_posix() for p in found]  # as --main takes them
             raise DsfixError(f"{len(found)} step-1 scripts named {STEP1_DIR}/main.py and none at {STEP_MAIN[1]}; "
-                             "pass the one to patch: " + shown([f"--main {r}" for r in rels], sep=" or "),
-                             detail=[f"--main {r}" for r in rels])
+                             "pass the one to patch: " + shown([_opt("--main", r) for r in rels], sep=" or "),
+                             detail=[_opt("--main", r) for r in rels])
         if found:
             root, main_path = base, found[0]
             notes.append(f"no {STEP_MAIN[1]}: using {_rel(root, main_path)}, the one {STEP1_DIR}/main.py "
@@ -166,15 +167,20 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
     if root is None:
         found = callers(start, depth=3)
         rels = [Path(os.path.relpath(p, start)).as_posix() for p in found]
-        hint = ("; to patch a script that calls save_hf_format, pass " + shown([f"--main {r}" for r in rels], sep=" or ")
+        hint = ("; for a script that calls save_hf_format, pass " + shown([_opt("--main", r) for r in rels], sep=" or ")
                 if found else "; run dsfix in a DeepSpeed-Chat folder, or pass the step-1 script with --main")
-        raise DsfixError(f"no DeepSpeed-Chat checkout here or above (no {STEP1_DIR}/main.py that saves, no "
-                         f"dschat/ or training/utils/){hint}", path=_shown_arg(repo),
+        raise DsfixError(f"no DeepSpeed-Chat checkout here or above (no {STEP_MAIN[1]} or other {STEP1_DIR}/main.py "
+                         f"that saves){hint}", path=_shown_arg(repo),
                          detail=[f"looked for {STEP_MAIN[1]}, a {STEP1_DIR}/main.py that calls the save functions, "
                                  f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, here, above and under {CHAT_SUBDIR}/",
-                                 *(f"--main {r}" for r in rels)])
-    co = _checkout_at(root, main_path, script_paths)
+                                 *(_opt("--main", r) for r in rels)])
+    co = _checkout_at(root, main_path, script_paths, home)
     return dataclasses.replace(co, notes=(*notes, *co.notes)) if notes else co
+
+
+def _opt(option: str, rel: str) -> str:
+    """An option and its path as the user would type it (quoted where a shell needs it)."""
+    return f"{option} {shlex.quote(rel)}"
 
 
 def _shown_arg(repo) -> str:
@@ -319,14 +325,16 @@ def callers(folder: Path, depth: int = 4, limit: int = 2000) -> list:
             if any(f"{n}(".encode() in data for n in SAVE_NAMES) and b"def save_hf_format" not in data]
 
 
-def _checkout_at(root: Path, main_path: Path | None, scripts: list) -> Checkout:
+def _checkout_at(root: Path, main_path: Path | None, scripts: list, home: Path | None = None) -> Checkout:
+    """``home``: the folder --main paths are relative to first (for the paths a refusal suggests)."""
     if main_path is None:
         main_path = root / STEP_MAIN[1]
         if not _exists(main_path):
-            found = [_rel(root, p) for p in callers(root) if "step2" not in str(p) and "step3" not in str(p)]
-            hint = "; pass the script that saves: " + shown([f"--main {r}" for r in found], sep=" or ") if found else ""
+            found = [Path(os.path.relpath(p, home or root)).as_posix() for p in callers(root)
+                     if "step2" not in str(p) and "step3" not in str(p)]
+            hint = "; pass the script that saves: " + shown([_opt("--main", r) for r in found], sep=" or ") if found else ""
             raise DsfixError(f"no {STEP_MAIN[1]} and no other {STEP1_DIR}/main.py that calls the save functions"
-                             f"{hint}", detail=[f"--main {r}" for r in found])
+                             f"{hint}", detail=[_opt("--main", r) for r in found])
     mains = {1: main_path, **_later_steps(root, main_path)}
     for p in (*mains.values(), *scripts):
         check_inside(root, p)
@@ -408,7 +416,7 @@ def _shadowed(root: Path, utils_path: Path) -> list:
 
 def _left_alone(root: Path, main_path: Path, scripts) -> list:
     others = [p for p in callers(main_path.parent, depth=1) if p != main_path and p not in scripts]
-    return [f"{_rel(root, p)} also calls the save functions and is not patched (add --script {_rel(root, p)})"
+    return [f"{_rel(root, p)} also calls the save functions and is not patched (add {_opt('--script', _rel(root, p))})"
             for p in others]
 
 
