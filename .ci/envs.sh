@@ -101,7 +101,7 @@ EOF_PY
 echo "env $which_env: installed in ${installed}s, $(du -sh "$venv" | cut -f1)"
 
 set +e
-python -m pytest -q -p no:cacheprovider "${tests[@]}"
+python -m pytest -q -p no:cacheprovider --durations=5 "${tests[@]}"
 rc=$?
 set -e
 echo "env $which_env: tests took $((SECONDS - start - installed))s"
