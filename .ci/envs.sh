@@ -4,7 +4,7 @@
 #
 #   .ci/envs.sh floor    the oldest versions dsfix supports (.ci/floor.txt): Python 3.9, torch 2.1, numpy 2
 #                        (which torch before 2.3 cannot use), transformers 4.51, safetensors 0.4.3,
-#                        DeepSpeed 0.14.4: the inserted save's tests, a patched step-1 save and reload on
+#                        DeepSpeed 0.15.4: the inserted save's tests, a patched step-1 save and reload on
 #                        ZeRO-0 and on ZeRO-3 with 2 ranks, smoke, verify and the demo
 #   .ci/envs.sh newest   the current torch with the newest transformers 5.x, as a `[smoke]` install gets
 #                        it (no DeepSpeed): the torch side's tests (template, smoke, verify, convert); the
@@ -108,5 +108,9 @@ echo "env $which_env: tests took $((SECONDS - start - installed))s"
 if [ "$rc" -eq 5 ]; then
   echo "ci: the $which_env environment collected no tests" >&2
   exit 1
+fi
+if [ "$rc" -eq 0 ]; then
+  deactivate
+  rm -rf "$venv"  # the floor's torch brings 3 GB of CUDA libraries; a failed run keeps its environment to look into
 fi
 exit "$rc"

@@ -130,6 +130,9 @@ def main():
     parser.add_argument("--methods", default=None, help="comma-separated keys of the methods to run (default: all): "
                         + ", ".join(m[0] for m in METHODS))
     args = parser.parse_args()
+    from patcher.prereq import require_or_exit
+
+    require_or_exit("bench_engine", deepspeed="the engine-checkpoint benchmark")  # before any rank starts
     chosen = [m for m in METHODS if args.methods is None or m[0] in args.methods.split(",")]
     from common import machine_facts
 

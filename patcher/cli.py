@@ -16,7 +16,9 @@ from patcher.errors import interrupt_at_startup
 if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
     interrupt_at_startup()
 
+import contextlib  # noqa: E402
 import functools  # noqa: E402
+import os  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 from enum import Enum  # noqa: E402
@@ -566,4 +568,13 @@ def main(argv=None) -> None:
         rc = _fail(e, _verb_of(args[:end]), as_json, debug)
     if rc == INTERRUPTED and not _Run.reported:  # typer turned a KeyboardInterrupt into exit 130 on its own
         rc = _fail(KeyboardInterrupt(), _verb_of(args[:end]), as_json, debug)
-    sys.exit(rc if isinstance(rc, int) else 0)
+    rc = rc if isinstance(rc, int) else 0
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the outcome is decided and printed: a late Ctrl-C keeps it
+    if _Run.interrupted_at is not None:
+        # CPython remembers a KeyboardInterrupt that passed through exec() of a string (dataclasses and typing
+        # build code that way) and would end the process by SIGINT instead of this exit code
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)

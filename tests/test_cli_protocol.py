@@ -231,13 +231,14 @@ def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
     assert p.returncode == ERROR and json.loads(p.stdout)["verb"] == "check" and b"Traceback" in p.stderr
 
 
-@pytest.mark.parametrize("script,hidden,needle", [
-    ("bench_zero3.py", "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
-    ("bench_convert.py", "safetensors", "pip install 'dsfix[smoke]'"),
-    ("bench_save.py", "torch", "pip install 'dsfix[smoke]'"),
+@pytest.mark.parametrize("script,args,hidden,needle", [
+    ("bench_zero3.py", ["--quick"], "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
+    ("bench_engine.py", [], "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
+    ("bench_convert.py", ["--quick"], "safetensors", "pip install 'dsfix[smoke]'"),
+    ("bench_save.py", ["--quick"], "torch", "pip install 'dsfix[smoke]'"),
 ])
-def test_benchmarks_check_what_they_need_first(script, hidden, needle):
-    code = (f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = [{script!r}, '--quick']; "
+def test_benchmarks_check_what_they_need_first(script, args, hidden, needle):
+    code = (f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = {[script, *args]!r}; "
             f"runpy.run_path({str(REPO / 'benchmarks' / script)!r}, run_name='__main__')")
     p = subprocess.run([sys.executable, "-c", code], env=CLEAN_ENV, capture_output=True, timeout=60)
     lines = p.stderr.decode().strip().splitlines()

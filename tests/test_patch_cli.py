@@ -189,7 +189,7 @@ def test_a_block_of_template_v2_is_upgraded_to_the_current_one(tmp_path, monkeyp
     code, diff, _ = cli("check", co)
     assert code == 1 and b"-_DSFIX_TEMPLATE_VERSION = 2\n" in diff and b"+_DSFIX_TEMPLATE_VERSION = 3\n" in diff
     code, out, err = cli("apply", co)
-    assert code == 0 and "upgraded dsfix's block from template v2" in (out.decode() + err)
+    assert code == 0 and "dsfix's block: template v2 -> v3" in (out.decode() + err)
     new = utils.read_bytes()
     assert b"template=v3" in new and new.count(b"def save_hf_format_safetensors(") == 1
     assert b".numpy()" not in new and b"keep_lora" not in new and b"class _DsfixTensor(NamedTuple):" in new

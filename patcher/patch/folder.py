@@ -10,6 +10,7 @@ computed from them, and call only pure path helpers; anything else is refused, n
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import libcst as cst
@@ -466,16 +467,11 @@ def _article(word: str) -> str:
     return "an" if word[:1].lower() in "aeiou" else "a"
 
 
-_FILE_NAME = None  # set below (shared with signature's reading of where a function writes)
+_FILE_NAME = re.compile(r"(?i)(weights?|config|model|safetensors|bin|json|file)")
 
 
 def folder_call(stmts: list):
     """(statement index, folder expression) of the first call that says where the function writes."""
-    import re
-
-    global _FILE_NAME
-    if _FILE_NAME is None:
-        _FILE_NAME = re.compile(r"(?i)(weights?|config|model|safetensors|bin|json|file)")
 
     class Calls(_OwnBody):
         def __init__(self):
