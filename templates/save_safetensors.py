@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-# Added by dsfix (for Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.14.4+);
+# Added by dsfix (for Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.15.4+);
 # `dsfix revert` removes it. save_hf_format_safetensors and save_zero_three_model_safetensors replace
 # save_hf_format and save_zero_three_model: they write config.json, the tokenizer and model.safetensors
 # (shards and an index above _DSFIX_MAX_SHARD_SIZE bytes), a tensor that shares storage with another
