@@ -21,6 +21,7 @@ from templates import save_safetensors as T
 pytestmark = pytest.mark.slow  # torch models saved and reloaded
 
 TEMPLATE_PATH = os.path.abspath(T.__file__)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_KEYS = 311
 TIED = ("lm_head.weight", "model.embed_tokens.weight")
 
@@ -96,7 +97,10 @@ def test_template_follows_the_structural_rules():
     assert sorted(public) == ["save_hf_format_safetensors", "save_zero_three_model_safetensors"]
     assert T._DSFIX_TEMPLATE_VERSION == 3
     assert "[dsfix] verification failed" not in source and "numpy" not in source.replace("no numpy", "")
-    floor = "Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.14.4+"  # .ci/floor.txt
+    pins = dict(line.split("==") for line in open(os.path.join(REPO_ROOT, ".ci", "floor.txt")).read().split()
+                if "==" in line)  # what CI's floor environment installs
+    floor = "Python 3.9+, torch %s+, transformers %s+, safetensors %s+, DeepSpeed %s+" % (
+        pins["torch"].rsplit(".", 1)[0], pins["transformers"].rsplit(".", 1)[0], pins["safetensors"], pins["deepspeed"])
     assert floor in " ".join(line.lstrip("# ") for line in source.splitlines() if line.startswith("#"))
     assert T._DSFIX_STRATEGY == "clone"
     assert "_DSFIX_STRATEGY" in constants and isinstance(constants["_DSFIX_STRATEGY"], ast.Constant)
