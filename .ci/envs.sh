@@ -50,7 +50,7 @@ case "$which_env" in
       # torch first, alone: 2.1.2 from PyPI is the CUDA build; it runs on a CPU, but only with its nvidia
       # libraries installed, which it loads at import
       install python -m pip install -q -c .ci/floor.txt torch numpy
-      install env DS_BUILD_OPS=0 python -m pip install -q -c .ci/floor.txt -e . torch numpy transformers safetensors \
+      install env DS_BUILD_OPS=0 python -m pip install -q -c .ci/floor.txt -e . torch numpy transformers safetensors accelerate \
         deepspeed 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2'
     }
     tests=(tests/test_versions.py tests/test_template.py
@@ -101,7 +101,7 @@ EOF_PY
 echo "env $which_env: installed in ${installed}s, $(du -sh "$venv" | cut -f1)"
 
 set +e
-python -m pytest -q -p no:cacheprovider "${tests[@]}"
+python -m pytest -q -p no:cacheprovider --durations=5 "${tests[@]}"
 rc=$?
 set -e
 echo "env $which_env: tests took $((SECONDS - start - installed))s"

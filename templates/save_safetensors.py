@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-# Added by dsfix (for Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.14.4+);
+# Added by dsfix (for Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.15.4+);
 # `dsfix revert` removes it. save_hf_format_safetensors and save_zero_three_model_safetensors replace
 # save_hf_format and save_zero_three_model: they write config.json, the tokenizer and model.safetensors
 # (shards and an index above _DSFIX_MAX_SHARD_SIZE bytes), a tensor that shares storage with another
@@ -102,7 +102,8 @@ def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy,
             _dsfix_publish(files, out_dir, tensors, notes)
     except BaseException:
         for f in files:
-            _dsfix_remove(f.tmp)
+            if os.path.exists(f.tmp):
+                os.remove(f.tmp)
         raise
 
 
@@ -279,16 +280,19 @@ def _dsfix_publish(files, out_dir, tensors, notes):
 
 
 def _dsfix_save_config_and_tokenizer(module, tokenizer, out_dir):
-    """config.json (when ``module`` has a config) and the tokenizer (when given) into ``out_dir``."""
+    """config.json (when ``module`` has a config) and the tokenizer (when given): no error of theirs stops the
+    weights, which the other ZeRO-3 ranks wait for (save_vocabulary, upstream's own call, may still raise)."""
     os.makedirs(out_dir, exist_ok=True)
     try:
         if getattr(module, "config", None) is not None:
             module.config.to_json_file(os.path.join(out_dir, "config.json"))
-    except Exception as exc:  # the weights matter more, at the end of a training run
+    except Exception as exc:
         _dsfix_print("could not write config.json (%s: %s); saving the rest" % (type(exc).__name__, exc))
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out_dir)
-    elif tokenizer is not None:
+    try:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    except Exception as exc:  # a tokenizer without save_pretrained, or an old one
+        _dsfix_print("tokenizer.save_pretrained failed (%s: %s); using save_vocabulary" % (type(exc).__name__, exc))
         tokenizer.save_vocabulary(out_dir)
 
 
@@ -302,15 +306,8 @@ def _dsfix_remove_stale(out_dir, keep):
         shard = "-of-" in base and (base.startswith("model-") and base.endswith(".safetensors") or
                                     base.startswith("pytorch_model-") and base.endswith(".bin"))
         if name not in keep and (single or shard):
-            _dsfix_remove(os.path.join(out_dir, name))
+            os.remove(os.path.join(out_dir, name))
             _dsfix_print("removed stale %s" % (os.path.join(out_dir, name),))
-
-
-def _dsfix_remove(path):
-    try:
-        os.remove(path)
-    except OSError:
-        pass
 
 
 def _dsfix_unwrap(model):

@@ -222,6 +222,10 @@ def test_sharded_bin_becomes_sharded_safetensors(tmp_path, model):
 
 
 def test_transformers_sharded_bin_converts(tmp_path, model):
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip("transformers 5 writes no .bin (safe_serialization=False is gone); the layout comes from 4.x")
     folder = tmp_path / "hf-sharded"
     model.save_pretrained(str(folder), safe_serialization=False, max_shard_size="600KB")
     shards = sorted(p.name for p in folder.glob("pytorch_model-*.bin"))
