@@ -59,6 +59,7 @@ class SaveDef:
     passed: tuple = ()  # (core keyword, expression) pairs besides model and folder
     notes: tuple = ()
     default: bool = False  # True: the template's own (upstream's) definition
+    missing: bool = False  # True: the checkout's utils.py binds no such name at all (a use of it fails today)
     writes: frozenset = frozenset({"weights", "config", "tokenizer"})  # what the original saves
     drop: str | None = None  # dsfix's drop= for the keys the original leaves out (None: upstream's "lora" rule)
 
@@ -258,8 +259,32 @@ def find_defs(module: cst.Module, rel: str, data: bytes = b"") -> dict:
             fn_ast = nodes.get(name)
             out[name] = read_def(found[name], rel, fn_ast.lineno if fn_ast else None, fn_ast, source, aliases)
         else:
-            out[name] = default_def(name)
+            out[name] = dataclasses.replace(default_def(name), missing=not _binds(module, name))
     return out
+
+
+def _binds(module: cst.Module, name: str) -> bool:
+    """Whether ``module`` binds ``name`` at its top level in some other way than a def: an import (a star
+    import may bring it), an assignment, a class."""
+    for stmt in module.body:
+        small = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt]
+        for node in small:
+            if isinstance(node, cst.ImportFrom) and isinstance(node.names, cst.ImportStar):
+                return True
+            if isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(node.names, cst.ImportStar):
+                for alias in node.names:
+                    bound = alias.asname.name if alias.asname else alias.name
+                    if isinstance(bound, cst.Name) and bound.value == name:
+                        return True
+            if isinstance(node, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
+                targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+                if any(isinstance(t, cst.Name) and t.value == name for t in targets):
+                    return True
+            if isinstance(node, cst.ClassDef) and node.name.value == name:
+                return True
+            if isinstance(node, (cst.If, cst.Try)) and name in cst.Module(body=[node]).code:
+                return True  # defined under a condition: dsfix cannot tell, so it does not refuse
+    return False
 
 
 # ----------------------------------------------------------------------------- generating dsfix's function

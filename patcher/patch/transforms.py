@@ -684,6 +684,11 @@ def patch_main(data: bytes, modules: tuple, defs: dict, rel: str = "main.py") ->
         raise DsfixError(f"{why}{more}; rename or remove that use and run dsfix again", line=line)
     if not found.calls and not found.uses:
         raise DsfixError("has no call of save_hf_format imported from the checkout's utils.py to rewrite")
+    absent = sorted((u.line, u.name) for u in [*found.calls, *found.uses] if u.name in RENAMES and defs[u.name].missing)
+    if absent:
+        line, name = absent[0]
+        raise DsfixError(f"uses {name}, which the checkout's utils.py does not define, so the script fails there "
+                         "today; fix that use (or define it) and run dsfix again", line=line)
     for c in found.calls:
         check_binding(defs[NEW_NAMES.get(c.name, c.name)], c)
     for u in values:
