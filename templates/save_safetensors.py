@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-# Added by dsfix (for Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.14.4+);
+# Added by dsfix (for Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.15.4+);
 # `dsfix revert` removes it. save_hf_format_safetensors and save_zero_three_model_safetensors replace
 # save_hf_format and save_zero_three_model: they write config.json, the tokenizer and model.safetensors
 # (shards and an index above _DSFIX_MAX_SHARD_SIZE bytes), a tensor that shares storage with another
@@ -72,15 +72,15 @@ def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_sh
 def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3, tokenizer=None,
                                  max_shard_size=None, strategy=None, gather_bucket_mb=None, drop=None,
                                  with_config=False):
-    """Every rank calls it: the weights, and the tokenizer (config.json too, ``with_config``) when given."""
+    """Every rank calls it: the weights (below stage 3 with no ``drop``, every key, as upstream), the tokenizer."""
     if global_rank is None:  # asks torch
         global_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     module = _dsfix_unwrap(model)
     if global_rank == 0:
         _dsfix_save_config_and_tokenizer(module if with_config else None, tokenizer, save_dir)
     if zero_stage == 3 or global_rank == 0:
-        _dsfix_save_weights(module, save_dir, global_rank, zero_stage == 3, max_shard_size, strategy,
-                            gather_bucket_mb, drop)
+        _dsfix_save_weights(module, save_dir, global_rank, zero_stage == 3, max_shard_size, strategy, gather_bucket_mb,
+                            drop if drop is not None or zero_stage == 3 else (lambda name: False))
 
 
 def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy, bucket_mb, drop):

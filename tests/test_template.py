@@ -21,6 +21,7 @@ from templates import save_safetensors as T
 pytestmark = pytest.mark.slow  # torch models saved and reloaded
 
 TEMPLATE_PATH = os.path.abspath(T.__file__)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_KEYS = 311
 TIED = ("lm_head.weight", "model.embed_tokens.weight")
 
@@ -96,7 +97,10 @@ def test_template_follows_the_structural_rules():
     assert sorted(public) == ["save_hf_format_safetensors", "save_zero_three_model_safetensors"]
     assert T._DSFIX_TEMPLATE_VERSION == 3
     assert "[dsfix] verification failed" not in source and "numpy" not in source.replace("no numpy", "")
-    floor = "Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.14.4+"  # .ci/floor.txt
+    pins = dict(line.split("==") for line in open(os.path.join(REPO_ROOT, ".ci", "floor.txt")).read().split()
+                if "==" in line)  # what CI's floor environment installs
+    floor = "Python 3.9+, torch %s+, transformers %s+, safetensors %s+, DeepSpeed %s+" % (
+        pins["torch"].rsplit(".", 1)[0], pins["transformers"].rsplit(".", 1)[0], pins["safetensors"], pins["deepspeed"])
     assert floor in " ".join(line.lstrip("# ") for line in source.splitlines() if line.startswith("#"))
     assert T._DSFIX_STRATEGY == "clone"
     assert "_DSFIX_STRATEGY" in constants and isinstance(constants["_DSFIX_STRATEGY"], ast.Constant)
@@ -292,6 +296,18 @@ def test_lora_params_are_dropped(tmp_path, tiny_qwen3):
     assert _load(tmp_path).lm_head.weight is not None
 
 
+@pytest.mark.parametrize("zero_stage, expected", [(0, QWEN3_KEYS + 3), (1, QWEN3_KEYS + 3), (2, QWEN3_KEYS + 3)])
+def test_the_zero3_save_below_stage_3_keeps_every_key_as_upstream(tmp_path, tiny_qwen3, zero_stage, expected):
+    """Upstream's save_zero_three_model saves the whole state_dict below stage 3 (its lora filter is in the
+    stage-3 branch only); a fork that calls it every N steps at any stage gets the same keys from dsfix's."""
+    q_proj = tiny_qwen3.model.layers[0].self_attn.q_proj
+    q_proj.lora_right_weight = torch.nn.Parameter(torch.zeros(64, 8))
+    q_proj.lora_left_weight = torch.nn.Parameter(torch.zeros(8, 64))
+    tiny_qwen3.model.layers[3].mlp.register_buffer("lora_scaling", torch.ones(1))
+    T.save_zero_three_model_safetensors(tiny_qwen3, 0, str(tmp_path), zero_stage=zero_stage)
+    assert len(_file_keys(tmp_path / "model.safetensors")) == expected
+
+
 @pytest.mark.parametrize("drop, kept", [
     (None, ["c.svd_u"]),  # upstream's rule: every name with "lora" in it
     (lambda name: False, ["a.lora_right_weight", "b.lora_scaling", "c.svd_u"]),  # a fork that keeps LoRA
@@ -305,7 +321,7 @@ def test_drop_decides_which_names_are_left_out(tmp_path, drop, kept):
     module.base = torch.nn.Linear(2, 2)
     for name, buffers in extra.items():
         module.add_module(name, _Holder(buffers))
-    T._dsfix_save_zero_three_model(module, str(tmp_path), global_rank=0, zero_stage=0, drop=drop)
+    T._dsfix_save_hf_format(module, None, str(tmp_path), drop=drop)
     keys = sorted(_file_keys(tmp_path / "model.safetensors"))
     assert keys == sorted(["base.weight", "base.bias"] + kept)
 

@@ -501,8 +501,6 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
                    progress_min_bytes: int = PROGRESS_MIN_BYTES) -> EngineResult:
     """Convert the engine checkpoint at ``path`` into ``output``. Raises DsfixError (code 2) on bad input (nothing
     written); a failed check gives ``ok=False`` (nothing written)."""
-    import torch
-
     if strategy not in STRATEGIES:
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
     if config is None or output is None:
