@@ -53,12 +53,18 @@ case "$which_env" in
       install env DS_BUILD_OPS=0 python -m pip install -q -c .ci/floor.txt -e . torch numpy transformers safetensors accelerate \
         deepspeed 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2'
     }
+    # No ZeRO-3 on CPU ranks here: torch 2.1's gloo has no all_gather_into_tensor ("no support for
+    # _allgather_base in Gloo process group") and no bf16 collectives ("Invalid scalar type"), which
+    # DeepSpeed's ZeRO-3 needs; on GPUs it runs on NCCL. The patched save and reload on ZeRO-0: the demo
+    # (check, apply and smoke on a fixture checkout) and smoke's exit codes (apply, then smoke).
     tests=(tests/test_versions.py tests/test_template.py
            tests/test_template_zero3.py::test_zero0_one_rank
-           tests/test_template_zero3.py::test_zero3_two_cpu_ranks_with_a_checkout_patched_by_dsfix
            tests/test_smoke.py tests/test_verify.py
-           tests/test_cli_model.py::test_demo_passes
-           --deselect tests/test_smoke.py::test_full_qwen3_0_6b_config_in_process)  # the demo runs that config
+           tests/test_cli_model.py::test_demo_passes tests/test_cli_model.py::test_smoke_exit_codes
+           --deselect tests/test_smoke.py::test_full_qwen3_0_6b_config_in_process  # the demo runs that config
+           --deselect tests/test_smoke.py::test_passes_under_zero3_with_two_ranks
+           --deselect tests/test_smoke.py::test_fails_on_the_article_save_under_zero3
+           --deselect tests/test_verify.py::test_fails_on_zero3_placeholders)
     ;;
   newest)
     python=python3

@@ -32,7 +32,10 @@ def snapshot(root: Path) -> dict:
 
 def cli(*args, cwd: Path | None = None):
     """Run through typer's CliRunner in-process. Returns (exit_code, stdout_bytes, stderr_text)."""
-    runner = CliRunner()
+    try:  # click before 8.2 (the last for Python 3.9) mixes stderr into stdout unless told not to
+        runner = CliRunner(mix_stderr=False)
+    except TypeError:  # click 8.2+ keeps them apart and has no such argument
+        runner = CliRunner()
     old = os.getcwd()
     try:
         if cwd is not None:

@@ -577,6 +577,11 @@ def _v2_template():
 def test_output_of_the_previous_template_still_loads_and_verifies(tmp_path, tiny_qwen3, tiny_qwen3_tokenizer):
     from patcher.checkpoint.verify import verify_folder
 
+    try:
+        torch.zeros(1).numpy()
+    except RuntimeError:  # torch before 2.3 with numpy 2: template v2 wrote through .numpy(), the bug v3 fixed
+        pytest.skip("template v2 cannot save where torch cannot use numpy")
+
     old = _v2_template()
     module, tensors = _mixed_module(_ALIGNMENT_CASES["6-byte bf16 weight first"])
     old.save_zero_three_model_safetensors(module, 0, str(tmp_path / "mixed"), zero_stage=0)
