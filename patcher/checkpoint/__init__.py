@@ -7,6 +7,7 @@ noise captured; an import that fails is left for the caller's own import to repo
 """
 
 import contextlib
+import importlib
 import io
 import os
 import sys
@@ -23,7 +24,7 @@ def _import_torch_quietly() -> None:
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
         try:
-            import torch  # noqa: F401
+            importlib.import_module("torch")
         except Exception:
             pass
 
