@@ -10,7 +10,7 @@ import pytest
 
 from patcher.errors import DsfixError
 from patcher.patch import signature
-from patcher.patch.calls import Arg
+from patcher.patch import calls
 
 UPSTREAM = "def save_hf_format(model, tokenizer, args, sub_folder=''):"
 Z3 = "def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):"
@@ -22,16 +22,7 @@ def params(header: str) -> tuple:
 
 def args_of(call: str) -> list:
     """The arguments of ``call`` (source text) as patcher.patch.calls finds them."""
-    node = ast.parse(call, mode="eval").body
-    out = []
-    for a in sorted([*node.args, *node.keywords], key=lambda a: (a.lineno, a.col_offset)):
-        value = a.value if isinstance(a, (ast.keyword, ast.Starred)) else a
-        if isinstance(a, ast.keyword):
-            keyword, star = a.arg, "" if a.arg else "**"
-        else:
-            keyword, star = None, "*" if isinstance(a, ast.Starred) else ""
-        out.append(Arg(keyword, star, ast.get_source_segment(call, value), a.lineno, a.col_offset))
-    return out
+    return calls.arguments(ast.parse(call, mode="eval").body, calls.Source(call))
 
 
 BINDS = [

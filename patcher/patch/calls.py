@@ -503,6 +503,19 @@ def _sites(tree: ast.Module, src: Source, candidates: list, modules) -> list:
     return out
 
 
+def arguments(node: ast.Call, src: "Source") -> list:
+    """The call's arguments as Arg, in source order (columns in characters, as libcst counts them)."""
+    args = []
+    for a in sorted([*node.args, *node.keywords], key=lambda a: (a.lineno, a.col_offset)):
+        value = a.value if isinstance(a, (ast.keyword, ast.Starred)) else a
+        if isinstance(a, ast.keyword):
+            keyword, star = a.arg, "" if a.arg else "**"
+        else:
+            keyword, star = None, "*" if isinstance(a, ast.Starred) else ""
+        args.append(Arg(keyword, star, src.segment(value), a.lineno, src.col(a.lineno, a.col_offset)))
+    return args
+
+
 def find_calls(tree: ast.Module, text: str, modules, names, strings=()) -> ScriptCalls:
     """The calls in ``tree`` (parsed from ``text``) of ``names`` imported from any of the dotted ``modules``,
     and their other uses. A star import of one of the modules binds every name in ``names``. ``strings``:
@@ -524,14 +537,7 @@ def find_calls(tree: ast.Module, text: str, modules, names, strings=()) -> Scrip
     src = Source(text)
     calls = []
     for node, name, containers in uses.calls:
-        args = []
-        for a in sorted([*node.args, *node.keywords], key=lambda a: (a.lineno, a.col_offset)):
-            value = a.value if isinstance(a, (ast.keyword, ast.Starred)) else a
-            if isinstance(a, ast.keyword):
-                keyword, star = a.arg, "" if a.arg else "**"
-            else:
-                keyword, star = None, "*" if isinstance(a, ast.Starred) else ""
-            args.append(Arg(keyword, star, src.segment(value), a.lineno, src.col(a.lineno, a.col_offset)))
+        args = arguments(node, src)
         how = " ".join(src.segment(node.func).split())
         paren = src.col(node.func.end_lineno, node.func.end_col_offset)
         calls.append(SaveCall(name, node.lineno, how, args, paren, index[id(node)], containers))
