@@ -41,7 +41,8 @@ def require(verb: str, *, deepspeed: str | None = None, cuda: bool = False) -> N
     """Raise DsfixError (exit 2) naming what to install when ``verb`` cannot run here.
 
     ``deepspeed``: why DeepSpeed is needed (e.g. "--zero-stage 3"), or None when it is not.
-    ``cuda``: --device cuda was asked for."""
+    ``cuda``: --device cuda was asked for. When all is there, torch is imported, as the command is about to,
+    with the noise of torch before 2.3 beside numpy 2 captured (patcher.checkpoint.quiet)."""
     gone = missing(*SMOKE_EXTRA)
     if gone:
         raise DsfixError(f"dsfix {verb} needs {', '.join(gone)}, which this Python ({sys.executable}) lacks: "
@@ -51,6 +52,9 @@ def require(verb: str, *, deepspeed: str | None = None, cuda: bool = False) -> N
         raise DsfixError(f"{deepspeed} needs DeepSpeed, which this Python lacks: {INSTALL_DEEPSPEED}{drop}")
     if cuda and no_gpu_driver():
         raise DsfixError("--device cuda, but this machine has no GPU driver; use --device cpu")
+    from patcher.checkpoint.quiet import import_torch_quietly
+
+    import_torch_quietly()
 
 
 def require_or_exit(verb: str, **kwargs) -> None:
