@@ -89,34 +89,23 @@ def _snapshot(root: Path) -> dict:
 
 
 def show_changes(console, co: Path, out) -> None:
-    """The scripts' diffs in full (on stdout); for utils.py, a summary of dsfix's insertion."""
-    from patcher.patch.diff import insertions, unified_diff
+    """Every changed file's diff in full (on stdout), but for the new save module: its size and what it is."""
+    from patcher.patch.diff import unified_diff
+    from patcher.patch.names import SAVE_MODULE_FILE
     from patcher.patch.plan import Status
 
     for f in out.files:
         if f.status != Status.WOULD_CHANGE:
             continue
-        old = (co / f.rel).read_bytes()
-        new = out.new_bytes[f.rel]
-        if "utils" not in f.rel.rsplit("/", 1)[-1]:
-            sys.stdout.flush()
-            sys.stdout.buffer.write(unified_diff(old, new, f.rel))
-            sys.stdout.buffer.flush()
+        path = co / f.rel
+        old = path.read_bytes() if path.exists() else None
+        if old is None and f.rel.endswith("/" + SAVE_MODULE_FILE):
+            console.print(f"{f.rel}: a new file of {f.added} lines, dsfix's writer, which the two functions added "
+                          "to utils.py call; its docstring says what it writes and how", markup=False)
             continue
-        console.print(f"[bold]{f.rel}[/]: +{f.added} lines, nothing removed" if not f.removed else
-                      f"[bold]{f.rel}[/]: +{f.added} -{f.removed} lines")
-        for at, lines in insertions(old, new):
-            text = b"".join(lines).decode("utf-8", "replace")
-            defs = [ln.split("(")[0][4:] for ln in text.splitlines() if ln.startswith("def ")]
-            if defs:
-                public = [d for d in defs if not d.startswith("_")]
-                console.print(f"  at line {at}: dsfix's block, {len(lines)} lines: {', '.join(public)} and "
-                              f"{len(defs) - len(public)} helpers (_dsfix_*), behind a `# dsfix:` marker line",
-                              markup=False)
-            else:
-                console.print(f"  at line {at}: {' / '.join(ln.strip() for ln in text.splitlines())}", markup=False)
-        console.print("  the whole diff: `dsfix check` on a checkout (keep this one with `dsfix demo --keep DIR`)",
-                      markup=False)
+        sys.stdout.flush()
+        sys.stdout.buffer.write(unified_diff(old, out.new_bytes[f.rel], f.rel))
+        sys.stdout.buffer.flush()
 
 
 def run_demo(console, device: str = "auto", keep: Path | None = None, show_diff: bool = True) -> DemoResult:

@@ -81,3 +81,12 @@ def shown(items, limit: int = 3, sep: str = ", ") -> str:
     items = list(items)
     text = sep.join(items[:limit])
     return f"{text} and {len(items) - limit} more" if len(items) > limit else text
+
+
+class Refused(DsfixError):
+    """A shape in a fork's code that dsfix will not rewrite, found while reading it: why, and where (a line,
+    or the syntax node it is at, which the reader that knows the file turns into a line)."""
+
+    def __init__(self, message: str, line: int | None = None, node=None):
+        super().__init__(message, line=line)
+        self.node = node

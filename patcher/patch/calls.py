@@ -6,18 +6,18 @@ dotted modules that lead to the located utils.py: a bare ``save_hf_format(...)``
 imported module (``u.save_hf_format(...)`` after ``import dschat.utils.utils as u``). A local variable or
 parameter of the same name shadows the import, as it does when the script runs.
 
-The analysis is ``ast`` only (C speed); libcst then edits the nodes found here (patcher.patch.transforms),
+The analysis is ``ast`` only (C speed); libcst then edits the nodes found here (patcher.patch.fixers.script),
 matched one to one by their place in the source.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
-import re
 from dataclasses import dataclass, field
 
-from patcher.errors import DsfixError
+from patcher.patch import imports
+from patcher.patch.names import last_name
+from patcher.patch.source import Source, statements
 
 _COMPOUND = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For, ast.AsyncFor, ast.While,
              ast.Try, ast.With, ast.AsyncWith) + tuple(getattr(ast, n) for n in ("TryStar", "Match") if hasattr(ast, n))
@@ -222,23 +222,16 @@ class _Binder(ast.NodeVisitor):
     visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _comprehension
 
     def visit_Import(self, node):
-        for a in node.names:
-            if a.asname:
-                self.scope.bind(a.asname, a.name)
-            else:
-                top = a.name.split(".")[0]
-                self.scope.bind(top, top)
+        for bound, qualified in imports.bindings(node):
+            self.scope.bind(bound, qualified)
 
     def visit_ImportFrom(self, node):
-        for a in node.names:
-            if a.name == "*":  # binds what the module defines: for dsfix, the tracked names
-                if node.module and not node.level:
-                    for name in self.star_names:
-                        self.scope.bind(name, f"{node.module}.{name}")
-                        self.scope.starred.add(name)
-                continue
-            qualified = f"{node.module}.{a.name}" if node.module and not node.level else None
-            self.scope.bind(a.asname or a.name, qualified)
+        for bound, qualified in imports.bindings(node):
+            self.scope.bind(bound, qualified)
+        if any(a.name == "*" for a in node.names) and node.module and not node.level:
+            for name in self.star_names:  # a star import binds what the module defines: the tracked names
+                self.scope.bind(name, f"{node.module}.{name}")
+                self.scope.starred.add(name)
 
     def visit_Global(self, node):
         self.scope.globals.update(node.names)
@@ -267,14 +260,6 @@ class _Binder(ast.NodeVisitor):
         if node.name:
             self._store(node.name, node.lineno)
         self.generic_visit(node)
-
-
-def _callee_name(func) -> str | None:
-    if isinstance(func, ast.Name):
-        return func.id
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return None
 
 
 def _chain(func):
@@ -403,7 +388,7 @@ class _Uses(ast.NodeVisitor):
         return super().visit(node)
 
     def visit_Call(self, node):
-        if _callee_name(node.func) in self.callee_names:
+        if last_name(node.func) in self.callee_names:
             self.candidates.append(node)
             base, attrs = _chain(node.func)
             if base is not None:
@@ -412,61 +397,6 @@ class _Uses(ast.NodeVisitor):
                     self.calls.append((node, hit, tuple(self.containers)))
                     self.called.add(id(node.func))
         self.generic_visit(node)
-
-
-_NEWLINE = re.compile(r"\r\n|\r|\n")
-
-
-def statements(tree):
-    """Every statement, in source order, nested ones included (expressions are not entered)."""
-    for stmt in tree.body:
-        yield stmt
-        for name in ("body", "orelse", "finalbody"):
-            block = getattr(stmt, name, None)
-            if isinstance(block, list):
-                yield from statements(_Block(block))
-        for h in getattr(stmt, "handlers", ()):
-            yield from statements(_Block(h.body))
-        for case in getattr(stmt, "cases", ()):
-            yield from statements(_Block(case.body))
-
-
-class _Block:
-    def __init__(self, body):
-        self.body = body
-
-
-class Source:
-    """A text split into lines once, the way Python's tokenizer counts them, for ast's positions (whose
-    columns count UTF-8 bytes)."""
-
-    def __init__(self, text: str):
-        self.text = text
-        self.lines, at = [], 0
-        for m in _NEWLINE.finditer(text):
-            self.lines.append(text[at:m.end()])
-            at = m.end()
-        if at < len(text) or not self.lines:
-            self.lines.append(text[at:])
-        self.starts = [0]
-        for line in self.lines:
-            self.starts.append(self.starts[-1] + len(line))
-
-    def col(self, line: int, col: int) -> int:
-        """ast's column as characters."""
-        text = self.lines[line - 1]
-        return col if text.isascii() else len(text.encode("utf-8")[:col].decode("utf-8", errors="replace"))
-
-    def offset(self, line: int, col: int) -> int:
-        return self.starts[line - 1] + self.col(line, col)
-
-    def span(self, node) -> tuple:
-        return self.offset(node.lineno, node.col_offset), self.offset(node.end_lineno, node.end_col_offset)
-
-    def segment(self, node) -> str:
-        """The node's source text, as ast.get_source_segment gives it (without re-splitting the text)."""
-        start, end = self.span(node)
-        return self.text[start:end]
 
 
 @dataclass(frozen=True)
@@ -552,36 +482,8 @@ def find_calls(tree: ast.Module, text: str, modules, names, strings=()) -> Scrip
     module_scope = binder.scopes[id(tree)]
     imported = {bound: q for bound, quals in module_scope.bound.items() for q in quals if q in tracked
                 and bound not in module_scope.starred}
-    return ScriptCalls(calls, uses.reads, imported, [_callee_name(n.func) for n in order],
+    return ScriptCalls(calls, uses.reads, imported, [last_name(n.func) for n in order],
                        _sites(tree, src, order, modules), found, sorted(set(uses.unsafe)))
-
-
-@dataclass(frozen=True)
-class Decoded:
-    text: str  # without a BOM
-    encoding: str  # as detected (PEP 263, "utf-8-sig" with a BOM); ``text.encode(encoding)`` gives the bytes back
-
-
-def decode(data: bytes) -> Decoded:
-    """Raises SyntaxError (a bad encoding declaration), LookupError (an unknown one) or UnicodeDecodeError:
-    Python would not run such a file either."""
-    import io
-    import tokenize
-
-    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-    return Decoded(data.decode(encoding), encoding)
-
-
-def parse(data: bytes, rel: str = "<script>") -> tuple:
-    """(ast tree, decoded) of a file's bytes, decoded by its own declaration (PEP 263, BOM). Raises
-    SyntaxError, or what ``decode`` raises. Cached: locating and planning read the same script; the tree is only read, never changed."""
-    return _parse(data)
-
-
-@functools.lru_cache(maxsize=8)
-def _parse(data: bytes) -> tuple:
-    decoded = decode(data)
-    return ast.parse(decoded.text), decoded
 
 
 def module_reads(text: str, names) -> dict:
@@ -602,11 +504,44 @@ def module_reads(text: str, names) -> dict:
     return counts
 
 
-def parse_script(data: bytes, rel: str) -> tuple:
-    """(ast tree, decoded text) of a script; a DsfixError naming the file when Python could not read it."""
-    try:
-        return parse(data, rel)
-    except (UnicodeDecodeError, LookupError) as e:
-        raise DsfixError(f"cannot be decoded: {e}", path=rel) from None
-    except SyntaxError as e:
-        raise DsfixError(f"does not parse: {e.msg}", path=rel, line=e.lineno) from None
+def module_routes(tree: ast.Module, modules, names) -> list:
+    """[(line, why)]: where a script can still reach the functions ``names`` of the utils module (dotted
+    ``modules``) by a route that renaming calls does not cover: the module object itself (or a package above
+    it) used as a value (passed on, stored, returned, given to getattr), an attribute ``names`` of it, or the
+    module's name in a string (``importlib.import_module``, ``sys.modules``)."""
+    binder = _Binder(tree)
+    binder.visit(tree)
+    routes = _Routes(binder, tree, tuple(modules), tuple(names))
+    routes.visit(tree)
+    return sorted(set(routes.found))
+
+
+class _Routes(_Uses):
+    def __init__(self, binder, tree, modules, names):
+        super().__init__(binder, tree, {}, set(), set())
+        self.modules, self.names, self.found = modules, names, []
+        self.above = {".".join(m.split(".")[:i]) for m in modules for i in range(1, len(m.split(".")) + 1)}
+        self.parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def visit_Name(self, node):
+        if not isinstance(node.ctx, ast.Load):
+            return
+        for q in self._qualified(node.id):
+            if q not in self.above:
+                continue
+            top, attrs = node, []
+            while isinstance(self.parents.get(id(top)), ast.Attribute) and self.parents[id(top)].value is top:
+                top = self.parents[id(top)]
+                attrs.append(top.attr)
+            full = ".".join([q, *attrs])
+            shown = ".".join([node.id, *attrs])
+            if full in self.above:
+                self.found.append((node.lineno, f"uses the module {shown} as a value (passed on, stored or given "
+                                                "to getattr), so its original save functions stay within reach"))
+            elif any(full == f"{m}.{n}" for m in self.modules for n in self.names):
+                self.found.append((node.lineno, f"{shown} still refers to the original save function"))
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, str) and node.value in self.modules:
+            self.found.append((node.lineno, f"names the module {node.value} in a string (an import by name), "
+                                            "so its original save functions stay within reach"))

@@ -16,12 +16,19 @@ def _range(start: int, length: int) -> str:
     return f"{start + 1},{length}"
 
 
-def unified_diff(old: bytes, new: bytes, path: str, context: int = 3) -> bytes:
-    """The diff from ``old`` to ``new`` for ``path`` (relative, "/"-separated); b"" when they are equal."""
+def unified_diff(old: bytes | None, new: bytes | None, path: str, context: int = 3) -> bytes:
+    """The diff from ``old`` to ``new`` for ``path`` (relative, "/"-separated); b"" when they are equal. None:
+    the file is not there (a new file, or a removed one, as git writes them)."""
     if old == new:
         return b""
-    a, b, ops = _compare(old, new)
-    out = [f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n".encode()]
+    a, b, ops = _compare(old or b"", new or b"")
+    if old is None:
+        head = f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+    elif new is None:
+        head = f"diff --git a/{path} b/{path}\ndeleted file mode 100644\n--- a/{path}\n+++ /dev/null\n"
+    else:
+        head = f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n"
+    out = [head.encode()]
     sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
     sm.opcodes = ops  # computed once in _compare (get_grouped_opcodes reads them from here)
     for group in sm.get_grouped_opcodes(context):

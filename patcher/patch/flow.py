@@ -12,10 +12,16 @@ from patcher.patch import plan as planner
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
 from patcher.errors import OK, PENDING, DsfixError, shown
-from patcher.patch.locate import Checkout, find_checkout, find_patched
+from patcher.patch.locate import Checkout, find_checkout, find_patched, layout_of
 from patcher.patch.plan import Status, Target
-from patcher.patch.template import load_template
+from patcher.patch.template import check_strategy
 from patcher.report import Result
+
+STEP2_WARNING = (
+    "step 2 will save model.safetensors, but dsfix found no model_utils.py defining create_critic_model, step 3's "
+    "critic loader, to adapt: upstream's asserts that pytorch_model.bin exists in the step-2 output, so step 3 will "
+    "not start from this step-2 output unless you adapt the loader that your checkout uses"
+)
 
 
 @dataclass
@@ -67,9 +73,16 @@ def _plural(n: int, what: str = "file") -> str:
 
 
 def _targets(co: Checkout, steps, strict: bool = True) -> list:
-    """Every target, read once: utils.py first, then the scripts."""
-    return [Target(rel, role, st.read_bytes(co.root / rel, rel), tuple(modules))
+    """Every target, read once (None: not there yet): utils.py and the save module first, then the scripts."""
+    return [Target.of_role(rel, role, _maybe_read(co.root / rel, rel), modules)
             for rel, role, modules in co.targets(steps, strict)]
+
+
+def _warnings(targets: list) -> list:
+    """Step 2 saves safetensors, but no loader was found for step 3 to read them with."""
+    if any(t.step == 2 for t in targets) and not any(t.kind == "loader" for t in targets):
+        return [STEP2_WARNING]
+    return []
 
 
 def _display_path(root: Path, rel: str) -> str:
@@ -84,10 +97,10 @@ def _display_path(root: Path, rel: str) -> str:
     return rel if shown.startswith("..") else Path(shown).as_posix()
 
 
-def _report(verb: str, co: Checkout, plan: planner.ApplyPlan, status: Status) -> Outcome:
-    out = Outcome(verb, co.root, co.layout, warnings=[*co.notes, *plan.warnings])
-    for c in plan.changes:
-        added, removed = stat(c.old, c.new)
+def _report(verb: str, co: Checkout, plan: planner.ApplyPlan, status: Status, targets: list) -> Outcome:
+    out = Outcome(verb, co.root, co.layout, warnings=[*co.notes, *plan.warnings, *_warnings(targets)])
+    for c in sorted(plan.changes, key=lambda c: c.rel):
+        added, removed = stat(c.old or b"", c.new or b"")
         out.files.append(FileReport(c.rel, status if c.changed else Status.UNCHANGED, list(c.notes), added, removed))
     return out
 
@@ -116,13 +129,12 @@ def options(co: Checkout, strategy: str | None, steps) -> Options:
         strategy = m.group(1).decode() if m else "clone"
     if not steps:
         steps = rec.steps if rec is not None and rec.steps else (1,)
-    return Options(strategy, tuple(sorted(set(steps))), rec)
+    return Options(check_strategy(strategy), tuple(sorted(set(steps))), rec)
 
 
 def _drops(co: Checkout, opts: Options, saved) -> list:
     """The files an earlier apply patched for steps that the steps asked for now leave out, as read."""
-    return [Target(rel, saved.entries[rel]["role"], _maybe_read(co.root / rel, rel))
-            for rel in planner.left_out(saved, opts.steps)]
+    return [saved.target(rel, _maybe_read(co.root / rel, rel)) for rel in planner.left_out(saved, opts.steps)]
 
 
 def check(repo=".", strategy: str | None = None, steps=None, main=None, scripts=()) -> Outcome:
@@ -133,10 +145,11 @@ def check(repo=".", strategy: str | None = None, steps=None, main=None, scripts=
     if opts.record is not None and set(opts.record.steps) - set(opts.steps):  # steps left out: shown restored
         saved = st.load(co.root)
         drop = _drops(co, opts, saved)
-    plan = planner.plan_apply(_targets(co, opts.steps), load_template(opts.strategy), opts.strategy, saved,
-                              steps=opts.steps, drop=drop)
-    out = _report("check", co, plan, Status.WOULD_CHANGE)
-    out.diff = b"".join(unified_diff(c.old, c.new, _display_path(co.root, c.rel)) for c in plan.pending)
+    targets = _targets(co, opts.steps)
+    plan = planner.plan_apply(targets, opts.strategy, saved, steps=opts.steps, drop=drop)
+    out = _report("check", co, plan, Status.WOULD_CHANGE, targets)
+    out.diff = b"".join(unified_diff(c.old, c.new, _display_path(co.root, c.rel))
+                        for c in sorted(plan.pending, key=lambda c: c.rel))
     out.new_bytes = {c.rel: c.new for c in plan.pending}
     n = len(plan.pending)
     out.message = f"{_plural(n)} would change" if n else "nothing to do: already patched"
@@ -151,9 +164,10 @@ def apply(repo=".", strategy: str | None = None, steps=None, main=None, scripts=
         opts = options(co, strategy, steps)
         saved = st.load(co.root)
         scripts = tuple(co.rel(p) for p in (co.step_mains[1], *co.scripts))
-        plan = planner.plan_apply(_targets(co, opts.steps), load_template(opts.strategy), opts.strategy, saved,
-                                  verify=True, scripts=scripts, steps=opts.steps, drop=_drops(co, opts, saved))
-        out = _report("apply", co, plan, Status.CHANGED)
+        targets = _targets(co, opts.steps)
+        plan = planner.plan_apply(targets, opts.strategy, saved, verify=True, scripts=scripts, steps=opts.steps,
+                                  drop=_drops(co, opts, saved))
+        out = _report("apply", co, plan, Status.CHANGED, targets)
         if not plan.pending:
             if plan.state is not None:  # the same files, other options to remember
                 st.commit(co.root, [], plan.state, rel_of=co.rel)
@@ -189,21 +203,40 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
             if not found and not_a_checkout is not None:  # no state folder, no checkout, no marker
                 raise not_a_checkout
         order = planner.revert_targets(saved, found)
-        read = _maybe_read if saved is not None else st.read_bytes
-        targets = [Target(rel, role, read(root / rel, rel), modules) for rel, role, modules in order]
-        plan = planner.plan_revert(targets, saved, force, load_template)
-        out = Outcome("revert", root, None if saved is not None else (co.layout if co else "marked"))
-        for r in plan.results:
+        targets = [Target.of_role(rel, role, _maybe_read(root / rel, rel), modules) for rel, role, modules in order]
+        plan = planner.plan_revert(targets, saved, force)
+        layout = layout_of(saved, co)
+        out = Outcome("revert", root, layout)
+        for r in sorted(plan.results, key=lambda r: r.rel):
             out.files.append(FileReport(r.rel, r.status, r.notes + ([r.reason] if r.reason else [])))
         if plan.refused:
-            names = shown([r.rel for r in plan.refused])
-            out.message = f"refused, nothing written: {names} changed since apply; " + plan.refused[0].reason
+            out.message = _refusal(plan.refused, force, saved is not None)
             return out
         st.commit(root, [(root / rel, data) for rel, data in plan.writes], None if saved is not None else st.KEEP,
                   rel_of=lambda p: Path(os.path.relpath(p, root)).as_posix())
-        n = len(plan.restored)
-        out.message = f"{_plural(n)} restored" if n else "nothing to revert: no dsfix patch found"
+        out.message = _reverted(plan)
         return out
+
+
+def _reverted(plan: planner.RevertPlan) -> str:
+    removed = sum(1 for r in plan.results if r.status == Status.REMOVED)
+    restored = len(plan.restored) - removed
+    if not plan.restored:
+        return "nothing to revert: no dsfix patch found"
+    return ", ".join(part for part in (f"{_plural(restored)} restored" if restored else "",
+                                       f"{removed} removed" if removed else "") if part)
+
+
+def _refusal(refused: tuple, force: bool, with_state: bool) -> str:
+    """One line: what was refused, why (where), and, unless --force was given, what --force would do."""
+    first = refused[0]
+    where = f"{first.rel}:{first.line}: " if first.line else f"{first.rel}: "
+    others = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    hint = ""
+    if not force:
+        hint = ("; --force restores the original and keeps your version beside it" if with_state else
+                "; --force removes dsfix's code anyway")
+    return f"refused, nothing written: {where}{first.reason}{others}{hint}"
 
 
 def _maybe_read(path: Path, rel: str) -> bytes | None:

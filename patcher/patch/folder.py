@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from patcher.errors import DsfixError
-from patcher.patch.template import dotted
+from patcher.errors import DsfixError, Refused
+from patcher.patch.names import dotted
 
 PURE_CALLS = frozenset({
     "os.path.join", "os.path.normpath", "os.path.abspath", "os.path.realpath", "os.path.expanduser",
@@ -119,45 +119,6 @@ def _target_names(node) -> set:
     return set()  # attributes and subscripts bind no name
 
 
-def _dotted(node) -> str:
-    try:
-        return dotted(node)
-    except TypeError:
-        return ""
-
-
-def module_aliases(module: cst.Module) -> dict:
-    """bound name -> qualified name for a module's top-level imports (``osp`` -> ``os.path``)."""
-    out = {}
-    for stmt in module.body:
-        if not isinstance(stmt, cst.SimpleStatementLine):
-            continue
-        for small in stmt.body:
-            if isinstance(small, cst.Import):
-                for a in small.names:
-                    name = _dotted(a.name)
-                    if a.asname is not None and isinstance(a.asname.name, cst.Name):
-                        out[a.asname.name.value] = name
-                    else:
-                        out[name.split(".")[0]] = name.split(".")[0]
-            elif isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None \
-                    and not isinstance(small.names, cst.ImportStar):
-                mod = _dotted(small.module)
-                for a in small.names:
-                    bound = a.asname.name.value if a.asname is not None else _dotted(a.name)
-                    out[bound] = f"{mod}.{_dotted(a.name)}"
-    return out
-
-
-class Refused(Exception):
-    """A refusal that names a node; read_folder turns it into a DsfixError with the node's line."""
-
-    def __init__(self, node, message: str):
-        super().__init__(message)
-        self.node = node
-        self.message = message
-
-
 @dataclass(frozen=True)
 class Folder:
     statements: tuple  # the source text of each statement carried, in order
@@ -200,7 +161,7 @@ class _Slicer:
     # --- expressions
 
     def qualified(self, node) -> str:
-        name = _dotted(node)
+        name = dotted(node)
         if not name:
             return ""
         first, _, rest = name.partition(".")
@@ -214,64 +175,31 @@ class _Slicer:
         """Refuse (naming ``at``) an expression that may do more than compute a value from its inputs."""
         if isinstance(node, (cst.Name, cst.SimpleString, cst.Integer, cst.Float, cst.Ellipsis)):
             return
-        if isinstance(node, cst.ConcatenatedString):
-            return self.pure(node.left, at) or self.pure(node.right, at)
-        if isinstance(node, cst.FormattedString):
-            for part in node.parts:
-                if isinstance(part, cst.FormattedStringExpression):
-                    self.pure(part.expression, at)
-                    if part.format_spec:
-                        for spec in part.format_spec:
-                            if isinstance(spec, cst.FormattedStringExpression):
-                                self.pure(spec.expression, at)
-            return
-        if isinstance(node, cst.Attribute):
-            return self.pure(node.value, at)
-        if isinstance(node, cst.Subscript):
-            self.pure(node.value, at)
-            for el in node.slice:
-                sl = el.slice
-                parts = [sl.value] if isinstance(sl, cst.Index) else [sl.lower, sl.upper, sl.step]
-                for p in parts:
-                    if p is not None:
-                        self.pure(p, at)
-            return
-        if isinstance(node, cst.BinaryOperation):
-            return self.pure(node.left, at) or self.pure(node.right, at)
-        if isinstance(node, cst.BooleanOperation):
-            return self.pure(node.left, at) or self.pure(node.right, at)
-        if isinstance(node, cst.UnaryOperation):
-            return self.pure(node.expression, at)
-        if isinstance(node, cst.Comparison):
-            self.pure(node.left, at)
-            for c in node.comparisons:
-                self.pure(c.comparator, at)
-            return
-        if isinstance(node, cst.IfExp):
-            for p in (node.test, node.body, node.orelse):
-                self.pure(p, at)
-            return
-        if isinstance(node, (cst.Tuple, cst.List)):
-            for e in node.elements:
-                self.pure(e.value, at)
-            return
         if isinstance(node, cst.Call):
-            func = node.func
-            q = self.qualified(func)
-            if q:  # a module's function or a builtin: only the pure path helpers
-                ok = q in PURE_CALLS or q.startswith("builtins.")
-            else:  # a method: of a string or a path, when its name says so
-                ok = isinstance(func, cst.Attribute) and func.attr.value in PURE_METHODS
-                if ok:
-                    self.pure(func.value, at)
-            if not ok:
-                what = _dotted(func) or "an expression"
-                raise Refused(at, f"computes its folder with a call of {what}, which may do more than join paths")
-            for a in node.args:
-                self.pure(a.value, at)
-            return
-        kind = type(node).__name__
-        raise Refused(at, f"computes its folder with {_article(kind)} {kind} expression, which dsfix does not carry")
+            return self.pure_call(node, at)
+        operands = _operands(node)
+        if operands is None:
+            kind = type(node).__name__
+            raise Refused(f"computes its folder with {_article(kind)} {kind} expression, which dsfix does not "
+                          "carry", node=at)
+        for operand in operands:
+            self.pure(operand, at)
+
+    def pure_call(self, node: cst.Call, at) -> None:
+        """A call of a pure path helper or builtin, or of a string's or a path's method, on pure arguments."""
+        func = node.func
+        q = self.qualified(func)
+        if q:  # a module's function or a builtin: only the pure path helpers
+            ok = q in PURE_CALLS or q.startswith("builtins.")
+        else:  # a method: of a string or a path, when its name says so
+            ok = isinstance(func, cst.Attribute) and func.attr.value in PURE_METHODS
+            if ok:
+                self.pure(func.value, at)
+        if not ok:
+            what = dotted(func) or "an expression"
+            raise Refused(f"computes its folder with a call of {what}, which may do more than join paths", node=at)
+        for a in node.args:
+            self.pure(a.value, at)
 
     # --- statements
 
@@ -301,8 +229,8 @@ class _Slicer:
                     kind = {"For": "loop", "While": "loop", "Try": "try statement", "With": "with statement",
                             "FunctionDef": "nested function", "ClassDef": "class"}.get(type(stmt).__name__,
                                                                                         "compound statement")
-                    raise Refused(stmt, f"computes its folder ({_names(hit)}) in a {kind}, which dsfix does not "
-                                        "carry")
+                    raise Refused(f"computes its folder ({_names(hit)}) in a {kind}, which dsfix does not carry",
+                                  node=stmt)
                 self.mutations(stmt, needed)
         out.reverse()
         return out, needed
@@ -327,17 +255,17 @@ class _Slicer:
                 self.pure(small.value, small)
                 needed = self._need(reads(small.value), small, needed)
             else:
-                raise Refused(small, f"computes its folder ({_names(hit)}) in a statement dsfix does not carry "
-                                     f"(only assignments and if/elif/else)")
+                raise Refused(f"computes its folder ({_names(hit)}) in a statement dsfix does not carry "
+                              "(only assignments and if/elif/else)", node=small)
             self.carried.add(id(small))
             return True, needed
         if inside and isinstance(small, cst.Raise):  # a branch that ends the function, carried as it is
             exc = small.exc
-            if isinstance(exc, cst.Call) and _dotted(exc.func) in EXCEPTIONS:
+            if isinstance(exc, cst.Call) and dotted(exc.func) in EXCEPTIONS:
                 for a in exc.args:
                     self.pure(a.value, small)
-            elif exc is not None and _dotted(exc) not in EXCEPTIONS or small.cause is not None:
-                raise Refused(small, "ends a branch of its folder computation with a raise dsfix does not carry")
+            elif exc is not None and dotted(exc) not in EXCEPTIONS or small.cause is not None:
+                raise Refused("ends a branch of its folder computation with a raise dsfix does not carry", node=small)
             if exc is not None:
                 needed = self._need(reads(exc) - EXCEPTIONS, small, needed)
             self.carried.add(id(small))
@@ -413,7 +341,34 @@ class _Slicer:
 
         node.visit(V())
         if hit:
-            raise Refused(node, f"changes {hit[0]} in place, and its folder is computed from {hit[0]}")
+            raise Refused(f"changes {hit[0]} in place, and its folder is computed from {hit[0]}", node=node)
+
+
+def _operands(node) -> list | None:
+    """The sub-expressions of an expression that computes its value from them alone (strings, f-strings,
+    attributes, subscripts, operators, comparisons, conditional expressions, tuples, lists); None for any
+    other kind of expression."""
+    if isinstance(node, (cst.ConcatenatedString, cst.BinaryOperation, cst.BooleanOperation)):
+        return [node.left, node.right]
+    if isinstance(node, cst.FormattedString):
+        parts = [p for p in node.parts if isinstance(p, cst.FormattedStringExpression)]
+        specs = [s for p in parts for s in (p.format_spec or ()) if isinstance(s, cst.FormattedStringExpression)]
+        return [p.expression for p in parts + specs]
+    if isinstance(node, cst.Attribute):
+        return [node.value]
+    if isinstance(node, cst.Subscript):
+        slices = [el.slice for el in node.slice]
+        bounds = [b for sl in slices for b in ([sl.value] if isinstance(sl, cst.Index) else [sl.lower, sl.upper, sl.step])]
+        return [node.value, *(b for b in bounds if b is not None)]
+    if isinstance(node, cst.UnaryOperation):
+        return [node.expression]
+    if isinstance(node, cst.Comparison):
+        return [node.left, *(c.comparator for c in node.comparisons)]
+    if isinstance(node, cst.IfExp):
+        return [node.test, node.body, node.orelse]
+    if isinstance(node, (cst.Tuple, cst.List)):
+        return [e.value for e in node.elements]
+    return None
 
 
 def _ends(stmt) -> bool:
@@ -495,7 +450,7 @@ def folder_call(stmts: list):
     for rule in ("makedirs", "join", "save_pretrained"):
         for i in range(len(stmts)):
             for call in calls_in(i):
-                name = _dotted(call.func)
+                name = dotted(call.func) or ""
                 pos = [a for a in call.args if a.keyword is None and not a.star]
                 if rule == "makedirs" and name.split(".")[-1] in ("makedirs", "mkdir") and pos:
                     return i, pos[0].value
@@ -537,12 +492,12 @@ def read_folder(fn: cst.FunctionDef, body: list, params: set, aliases: dict, lin
                 continue
             where = slicer.read_at.get(n, body[at])
             if any(n in assigned(s) for s in body):
-                raise Refused(where, f"reads {n} for its folder, but not every path assigns {n} before")
-            raise Refused(where, f"computes its folder from {n}, which is not one of its parameters")
+                raise Refused(f"reads {n} for its folder, but not every path assigns {n} before", node=where)
+            raise Refused(f"computes its folder from {n}, which is not one of its parameters", node=where)
     except Refused as e:
         raise DsfixError(f"{name} {e.message}; dsfix carries only a folder computed from the function's own "
                          "parameters (os.path, f-strings, if/else): compute it in the caller and pass it in",
-                         path=rel, line=lines(e.node)) from None
+                         path=rel, line=e.line or lines(e.node)) from None
     statements = tuple(_EMPTY.code_for_node(s.with_changes(leading_lines=[])).strip("\n") for s in kept)
     carried = frozenset(slicer.carried)
     where_reads = set().union(*(reads(s) for s in kept)) if kept else set()

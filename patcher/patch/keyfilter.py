@@ -18,18 +18,13 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from patcher.errors import Refused
+
 KEY_METHODS = frozenset({"startswith", "endswith", "lower", "upper", "strip", "split", "rsplit", "count", "find",
                          "replace"})
 KEY_BUILTINS = frozenset({"any", "all", "len", "str"})
 _FLIP = {ast.In: "not in", ast.NotIn: "in", ast.Eq: "!=", ast.NotEq: "==", ast.Is: "is not", ast.IsNot: "is"}
 _OPS = {ast.In: "in", ast.NotIn: "not in", ast.Eq: "==", ast.NotEq: "!="}
-
-
-class Refused(Exception):
-    def __init__(self, line: int, message: str):
-        super().__init__(message)
-        self.line = line
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -135,7 +130,7 @@ def free_names(node) -> list:
 class Reader:
     def __init__(self, fn: ast.FunctionDef, source, params: set):
         self.fn = fn
-        self.source = source  # patcher.patch.calls.Source of the file
+        self.source = source  # patcher.patch.source.Source of the file
         self.params = params
         self.nodes = list(_own_nodes(fn))
         self.assigned = {n.id for n in self.nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -229,8 +224,8 @@ class Reader:
             self.check(node, var)
             return None
         if names & others:
-            raise Refused(node.lineno, "chooses which tensors to save by a test on something other than the key "
-                                       "name")
+            raise Refused(line=node.lineno,
+                          message="chooses which tensors to save by a test on something other than the key name")
         return TRUE
 
     def check(self, node, var) -> None:
@@ -241,17 +236,20 @@ class Reader:
                      (isinstance(f, ast.Name) and f.id in KEY_BUILTINS)
                 if not ok:
                     what = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else "a call"
-                    raise Refused(node.lineno, f"tests the key name with a call of {what}, which dsfix cannot "
-                                               "carry into its own save")
+                    raise Refused(line=node.lineno,
+                                  message=f"tests the key name with a call of {what}, which dsfix cannot carry into "
+                                          "its own save")
             elif isinstance(sub, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
-                raise Refused(node.lineno, f"tests the key name with {type(sub).__name__}, which dsfix cannot carry")
+                raise Refused(line=node.lineno,
+                              message=f"tests the key name with {type(sub).__name__}, which dsfix cannot carry")
         for n in free_names(node):
             if n.id == var or n.id in KEY_BUILTINS:
                 continue
             if n.id in self.params and n.id not in self.assigned:
                 self.used_params.add(n.id)
                 continue
-            raise Refused(node.lineno, f"tests the key name against {n.id}, which is not one of its parameters")
+            raise Refused(line=node.lineno,
+                          message=f"tests the key name against {n.id}, which is not one of its parameters")
 
     # --- rendering
 

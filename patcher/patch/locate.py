@@ -11,7 +11,7 @@ from pathlib import Path
 
 from patcher.errors import DsfixError, shown
 from patcher.patch import state
-from patcher.patch.names import PUBLIC_NAMES, SAVE_NAMES
+from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE_FILE, SAVE_NAMES
 from patcher.patch.resolve import resolve_script
 
 STEP_DIRS = {
@@ -50,7 +50,7 @@ class Checkout:
 
         Steps 2 and 3 are resolved here, when asked for: ``strict`` makes a step that is missing or imports
         another utils.py an error; otherwise it is skipped."""
-        out = [(self.rel(self.utils_path), "utils", ())]
+        out = [(self.rel(self.utils_path), "utils", ()), (self.rel(self.module_path), "module", ())]
         for step in sorted(set(steps)):
             if step == 1:
                 out.append((self.rel(self.step_mains[1]), "step1", self.modules[self.rel(self.step_mains[1])]))
@@ -80,6 +80,11 @@ class Checkout:
                 out.append((self.rel(loader), "loader", ()))
         return out
 
+    @property
+    def module_path(self) -> Path:
+        """Where dsfix's save module goes: beside utils.py, which imports it."""
+        return self.utils_path.parent / SAVE_MODULE_FILE
+
     def loader_path(self) -> Path | None:
         """The file that defines create_critic_model: model/model_utils.py beside utils.py in both layouts."""
         for p in (self.utils_path.parent / "model" / "model_utils.py",):
@@ -90,6 +95,15 @@ class Checkout:
             except OSError:
                 continue
         return None
+
+
+def layout_of(saved, co: "Checkout | None") -> str:
+    """The layout revert reports: the one of the utils.py the state folder records, else the checkout's, else
+    "marked" (found by dsfix's marker lines alone)."""
+    if saved is not None:
+        rel = next((rel for rel, e in saved.entries.items() if e.get("role") == "utils"), None)
+        return next((name for name, u in LAYOUTS.items() if u == rel), "fork")
+    return co.layout if co is not None else "marked"
 
 
 def _is_chat_root(d: Path) -> bool:
@@ -127,7 +141,8 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
                          path=str(repo))
     start = start.resolve()
     if start.is_file():
-        start = start.parent
+        raise DsfixError("is a file, not a folder; pass the folder that holds it (--main and --script name "
+                         "scripts)", path=_shown_arg(repo))
     root = _chat_root(start)
     home = root or _step1_base(start)  # what --main and --script are relative to first
     notes = []
@@ -143,39 +158,57 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
     if main_path is not None and (root is None or not main_path.is_relative_to(root)):
         root = home if main_path.is_relative_to(home) else main_path.parent
     if root is None:
-        below = _chat_roots_below(start)
-        if len(below) == 1:
-            root = below[0]
-            notes.append(f"found the DeepSpeed-Chat folder at {os.path.relpath(root, start)}")
-        elif below:
-            shown_below = shown([Path(os.path.relpath(p, start)).as_posix() for p in below])
-            raise DsfixError(f"{len(below)} DeepSpeed-Chat folders below this one ({shown_below}); run dsfix on "
-                             "one of them", path=_shown_arg(repo),
-                             detail=[Path(os.path.relpath(p, start)).as_posix() for p in below])
+        root = _one_chat_root_below(start, repo, notes)
     if main_path is None and (root is None or not _exists(root / STEP_MAIN[1])):
-        base = root or home
-        found = step1_candidates(base)
-        if len(found) > 1:
-            rels = [Path(os.path.relpath(p, home)).as_posix() for p in found]  # as --main takes them
-            raise DsfixError(f"{len(found)} step-1 scripts named {STEP1_DIR}/main.py and none at {STEP_MAIN[1]}; "
-                             "pass the one to patch: " + shown([_opt("--main", r) for r in rels], sep=" or "),
-                             detail=[_opt("--main", r) for r in rels])
-        if found:
-            root, main_path = base, found[0]
-            notes.append(f"no {STEP_MAIN[1]}: using {_rel(root, main_path)}, the one {STEP1_DIR}/main.py "
-                         "that calls the save functions (--main picks another)")
+        root, main_path = _step1_anywhere(root, home, notes)
     if root is None:
-        found = callers(start, depth=3)
-        rels = [Path(os.path.relpath(p, start)).as_posix() for p in found]
-        hint = ("; for a script that calls save_hf_format, pass " + shown([_opt("--main", r) for r in rels], sep=" or ")
-                if found else "; run dsfix in a DeepSpeed-Chat folder, or pass the step-1 script with --main")
-        raise DsfixError(f"no DeepSpeed-Chat checkout here or above (no {STEP_MAIN[1]} or other {STEP1_DIR}/main.py "
-                         f"that saves){hint}", path=_shown_arg(repo),
-                         detail=[f"looked for {STEP_MAIN[1]}, a {STEP1_DIR}/main.py that calls the save functions, "
-                                 f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, here, above and under {CHAT_SUBDIR}/",
-                                 *(_opt("--main", r) for r in rels)])
+        raise _no_checkout(start, repo)
     co = _checkout_at(root, main_path, script_paths, home)
     return dataclasses.replace(co, notes=(*notes, *co.notes)) if notes else co
+
+
+def _one_chat_root_below(start: Path, repo, notes: list) -> Path | None:
+    """The one DeepSpeed-Chat folder below ``start`` (a repository that keeps its copy a few folders down);
+    several are refused, naming them."""
+    below = _chat_roots_below(start)
+    if len(below) > 1:
+        shown_below = shown([Path(os.path.relpath(p, start)).as_posix() for p in below])
+        raise DsfixError(f"{len(below)} DeepSpeed-Chat folders below this one ({shown_below}); run dsfix on "
+                         "one of them", path=_shown_arg(repo),
+                         detail=[Path(os.path.relpath(p, start)).as_posix() for p in below])
+    if below:
+        notes.append(f"found the DeepSpeed-Chat folder at {os.path.relpath(below[0], start)}")
+        return below[0]
+    return None
+
+
+def _step1_anywhere(root: Path | None, home: Path, notes: list) -> tuple:
+    """(root, step-1 script): the one step1_supervised_finetuning/main.py that saves, at any depth, where the
+    usual one is missing; several are refused, naming a --main for each; (root, None) when there is none."""
+    base = root or home
+    found = step1_candidates(base)
+    if len(found) > 1:
+        rels = [Path(os.path.relpath(p, home)).as_posix() for p in found]  # as --main takes them
+        raise DsfixError(f"{len(found)} step-1 scripts named {STEP1_DIR}/main.py and none at {STEP_MAIN[1]}; "
+                         "pass the one to patch: " + shown([_opt("--main", r) for r in rels], sep=" or "),
+                         detail=[_opt("--main", r) for r in rels])
+    if not found:
+        return root, None
+    notes.append(f"no {STEP_MAIN[1]}: using {_rel(base, found[0])}, the one {STEP1_DIR}/main.py "
+                 "that calls the save functions (--main picks another)")
+    return base, found[0]
+
+
+def _no_checkout(start: Path, repo) -> DsfixError:
+    found = callers(start, depth=3)
+    rels = [Path(os.path.relpath(p, start)).as_posix() for p in found]
+    hint = ("; for a script that calls save_hf_format, pass " + shown([_opt("--main", r) for r in rels], sep=" or ")
+            if found else "; run dsfix in a DeepSpeed-Chat folder, or pass the step-1 script with --main")
+    return DsfixError(f"no DeepSpeed-Chat checkout here or above (no {STEP_MAIN[1]} or other {STEP1_DIR}/main.py "
+                      f"that saves){hint}", path=_shown_arg(repo),
+                      detail=[f"looked for {STEP_MAIN[1]}, a {STEP1_DIR}/main.py that calls the save functions, "
+                              f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, here, above and under {CHAT_SUBDIR}/",
+                              *(_opt("--main", r) for r in rels)])
 
 
 def _opt(option: str, rel: str) -> str:
@@ -267,6 +300,7 @@ def find_patched(root: Path, depth: int = 5, limit: int = 3000) -> list:
             scripts.append(path)
     utils = [p for p, role in marked if role == "utils"]
     out = [(p, "utils", ()) for p in utils[:1]] + [(p, role, ()) for p, role in marked if role == "loader"]
+    out += [(p.parent / SAVE_MODULE_FILE, "module", ()) for p in utils[:1] if (p.parent / SAVE_MODULE_FILE).is_file()]
     for script in scripts:
         try:
             res = resolve_script(script, script.read_bytes(), root)

@@ -1,10 +1,11 @@
 """Pure planning: what apply and revert do, decided from bytes already read. No I/O here.
 
-``plan_apply`` takes every target file and the state folder as read, and returns the new bytes of each
-file, the notes and warnings, and the state folder to write (the originals to keep, even when a patched
-file was edited after an earlier apply). ``plan_revert`` decides, file by file, whether to restore the
-original, carry the user's later edits over (a three-way merge, else a structural undo), or refuse.
-The pipeline reads once, calls one of these, and writes once.
+``plan_apply`` loops over the targets, asking each one's fixer (patcher.patch.fixers) for its new bytes,
+then, once every target is planned, each fixer's guard; it returns the changes in the order to write them
+and the state folder to write (the originals to keep, even when a patched file was edited after an earlier
+apply). ``plan_revert`` decides, file by file, whether to restore the original, carry the user's later
+edits over (a three-way merge, else the fixer's structural undo), or refuse. Nothing here branches on the
+kind of file: that is each fixer's business.
 """
 
 from __future__ import annotations
@@ -13,19 +14,13 @@ import difflib
 import enum
 from dataclasses import dataclass, field
 
-import libcst as cst
-
-from patcher.patch import calls, transforms
-from patcher.patch.diff import split_lines
 from patcher.errors import DsfixError
-from patcher.patch.names import is_dsfix_name
-from patcher.patch.template import Template, defined_name, load_loader
+from patcher.patch.diff import split_lines
+from patcher.patch.fixers import FIXERS, Context, Patched, Target
+from patcher.patch.source import check_compiles, parse_script
 
-STEP2_WARNING = (
-    "step 2 will save model.safetensors, but dsfix found no model_utils.py defining create_critic_model, step 3's "
-    "critic loader, to adapt: upstream's asserts that pytorch_model.bin exists in the step-2 output, so step 3 will "
-    "not start from this step-2 output unless you adapt the loader that your checkout uses"
-)
+__all__ = ["Status", "Target", "Saved", "FileChange", "ApplyPlan", "RevertOutcome", "RevertPlan", "plan_apply",
+           "plan_revert", "revert_targets", "left_out", "merge3", "sha256"]
 
 
 class Status(str, enum.Enum):
@@ -38,46 +33,52 @@ class Status(str, enum.Enum):
     MERGED = "merged"
     STRUCTURAL = "structural"
     REFUSED = "refused"
+    REMOVED = "removed"  # revert: a file dsfix added (the save module) taken away
+    NOT_WRITTEN = "not written"  # revert: decided, but not written, since another file was refused
 
 
-def sha256(data: bytes) -> str:
+WRITTEN = (Status.RESTORED, Status.MERGED, Status.STRUCTURAL, Status.REMOVED)  # revert decisions that write
+
+
+def sha256(data: bytes | None) -> str | None:
     import hashlib  # here: only apply and revert need it
 
-    return hashlib.sha256(data).hexdigest()
-
-
-@dataclass(frozen=True)
-class Target:
-    """One file as read: ``data`` None when it is missing."""
-
-    rel: str  # path relative to the checkout root, with "/"
-    role: str  # "utils", "step1" / "step2" / "step3", or "loader" (the model_utils.py step 3 reads with)
-    data: bytes | None
-    modules: tuple = ()  # scripts: the dotted names under which they import utils.py
+    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
 class Saved:
-    """The state folder's content: an entry per patched file and the original and patched bytes."""
+    """The state folder's content: an entry per patched file and the original and patched bytes (an original
+    None: the file did not exist before apply, as the save module)."""
 
     entries: dict  # rel -> {"role", "original_sha256", "patched_sha256", "modules", "template", "strategy"}
-    blobs: dict  # (rel, "original" | "patched") -> bytes
+    blobs: dict  # (rel, "original" | "patched") -> bytes or None
     main: str | None = None  # the step-1 script and the further ones patched, so that later runs need no
     scripts: tuple = ()  # --main or --script again
     strategy: str | None = None  # the --strategy and --steps of the last apply, likewise remembered
     steps: tuple = ()
 
-    def blob(self, rel: str, kind: str) -> bytes:
+    def blob(self, rel: str, kind: str) -> bytes | None:
         return self.blobs[(rel, kind)]
+
+    def target(self, rel: str, data: bytes | None) -> Target:
+        entry = self.entries[rel]
+        return Target.of_role(rel, entry["role"], data, entry.get("modules") or ())
 
 
 @dataclass(frozen=True)
 class FileChange:
-    rel: str
-    role: str
-    old: bytes
-    new: bytes
+    target: Target
+    new: bytes | None
     notes: tuple = ()
+
+    @property
+    def rel(self) -> str:
+        return self.target.rel
+
+    @property
+    def old(self) -> bytes | None:
+        return self.target.data
 
     @property
     def changed(self) -> bool:
@@ -92,140 +93,113 @@ class ApplyPlan:
 
     @property
     def pending(self) -> list:
-        return [c for c in self.changes if c.changed]
+        """The changes to write, in the order to write them: what other files need first (the save module
+        before the utils.py that imports it)."""
+        return sorted((c for c in self.changes if c.changed), key=lambda c: FIXERS[c.target.kind].rank)
 
 
 @dataclass
 class RevertOutcome:
     rel: str
-    new: bytes | None  # None: leave the file as it is
+    new: bytes | None  # what the file becomes (None: removed) when ``status`` writes it (see WRITTEN)
     status: Status
     reason: str = ""
     notes: list = field(default_factory=list)
-    keep_as: str | None = None  # --force: the user's version is kept under this name
+    keep_as: str | None = None  # the user's version is kept under this name (--force)
+    line: int | None = None  # where the reason points
 
 
 @dataclass(frozen=True)
 class RevertPlan:
     results: tuple
     refused: tuple  # the refused RevertOutcomes (nothing is written when there are any)
-    writes: tuple = ()  # (rel, bytes) in the order to write: the users' versions kept beside first, then restores
-    restored: tuple = ()  # the files whose dsfix change is undone (what "N files restored" counts)
-
-
-# ----------------------------------------------------------------------------- parsing and rendering
-
-
-def parse(data: bytes, rel: str) -> cst.Module:
-    try:
-        return cst.parse_module(data)
-    except cst.ParserSyntaxError as e:
-        raise DsfixError(f"does not parse: {e.message.strip()}", path=rel, line=e.raw_line) from None
-    except (UnicodeDecodeError, LookupError, SyntaxError) as e:
-        raise DsfixError(f"cannot be decoded: {e}", path=rel) from None
-
-
-def render(module: cst.Module, rel: str) -> bytes:
-    """The module's bytes in its own encoding."""
-    try:
-        return module.bytes
-    except UnicodeEncodeError as e:
-        raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}", path=rel)
-
-
-def check_compiles(data: bytes, rel: str) -> None:
-    """Python must compile the new text, so apply never writes a file that does not run."""
-    try:
-        compile(data, rel, "exec", dont_inherit=True)
-    except SyntaxError as e:  # pragma: no cover - a dsfix bug, caught before anything is written
-        raise DsfixError(f"dsfix produced code that does not compile: {e.msg}", path=rel, line=e.lineno) from None
-
-
-def reparse(change: FileChange) -> None:
-    """Before writing: the new text must parse again with libcst, so a later dsfix can read it back."""
-    try:
-        cst.parse_module(change.new)
-    except cst.ParserSyntaxError as e:  # pragma: no cover - a dsfix bug, caught before anything is written
-        raise DsfixError(f"dsfix produced code it cannot parse back: {e.message.strip()}", path=change.rel,
-                         line=e.raw_line) from None
+    writes: tuple = ()  # (rel, bytes or None to remove) in the order to write: the kept copies, then the rest
+    restored: tuple = ()  # the files whose dsfix change is undone: restored, or removed (dsfix added them)
 
 
 # ----------------------------------------------------------------------------- apply
 
 
-def patch_file(target: Target, tpl: Template, strategy: str, defs: dict | None = None) -> tuple:
-    """(new bytes, notes, warnings, defs) for one target."""
-    rel, data = target.rel, target.data
+def _patched(target: Target, ctx: Context) -> Patched:
+    fixer = FIXERS[target.kind]
+    if target.data is None and not fixer.optional:
+        raise DsfixError("no such file", path=target.rel)
     try:
-        if target.role == "utils":
-            calls.parse_script(data, rel)  # Python itself must read it (a NUL byte, say, it would not)
-            res = transforms.patch_utils(data, parse(data, rel), tpl, strategy, rel)
-            return res.new, res.notes, [], res.defs
-        if target.role == "loader":
-            res = transforms.patch_loader(data, parse(data, rel), load_loader(), rel)
-            return res.new, res.notes, [], defs
-        res = transforms.patch_main(data, target.modules, defs, rel)
+        return fixer.patch(target, ctx)
     except DsfixError as e:
-        if e.path is None:
-            e.path = rel
+        e.path = e.path or target.rel
         raise
-    new = res.new if res.new is not None else data
-    return new, res.notes if new != data else [], [f"{rel}:{w}" for w in res.warnings], defs
 
 
-def plan_apply(targets: list, tpl: Template, strategy: str, saved: Saved | None = None,
-               verify: bool = False, scripts: tuple = (), steps: tuple = (1,), drop: tuple = ()) -> ApplyPlan:
-    """``targets``: utils.py first, then the scripts; ``scripts``: (step-1 script, further ones) to record,
-    with ``strategy`` and ``steps``. ``drop``: files an earlier apply patched for steps that ``steps`` leaves
-    out now (Targets as read), restored from ``saved``. ``verify``: compile every new text and parse it back
-    with libcst (apply does; check, which writes nothing, shows the diff without)."""
-    changes, warnings, defs = [], [], None
+def _guarded(change: FileChange, ctx: Context, verify: bool) -> None:
+    """After planning: the fixer's guard, and (apply) Python must compile what will be written."""
+    if change.new is None:
+        return
+    try:
+        FIXERS[change.target.kind].guard(change.target, change.new, ctx)
+    except DsfixError as e:
+        e.path = e.path or change.rel
+        raise
+    if verify and change.changed:
+        check_compiles(change.new, change.rel)
+
+
+def plan_apply(targets: list, strategy: str, saved: Saved | None = None, verify: bool = False, scripts: tuple = (),
+               steps: tuple = (1,), drop: tuple = ()) -> ApplyPlan:
+    """``targets``: utils.py before the scripts (which bind their calls to what it defines); ``scripts``:
+    (step-1 script, further ones) to record, with ``strategy`` and ``steps``. ``drop``: files an earlier apply
+    patched for steps that ``steps`` leaves out now (Targets as read), restored from ``saved``. ``verify``:
+    compile every new text and parse it back (apply does; check, which writes nothing, shows the diff)."""
+    ctx = Context(strategy, modules=tuple(dict.fromkeys(m for t in targets for m in t.modules)))
+    changes, warnings = [], []
     for t in targets:
-        if t.data is None:
-            raise DsfixError("no such file", path=t.rel)
-        new, notes, found, defs = patch_file(t, tpl, strategy, defs)
-        change = FileChange(t.rel, t.role, t.data, new, tuple(notes))
-        if change.changed and verify:  # before apply writes: Python compiles it, libcst parses it back
-            check_compiles(new, t.rel)
-            reparse(change)
-        changes.append(change)
-        warnings += found
-        if t.role == "step2" and not any(x.role == "loader" for x in targets):
-            warnings.append(STEP2_WARNING)
-    listed = ",".join(map(str, steps))
-    for t in drop:
-        r = revert_with_state(saved, t.rel, t.data)
-        if r.status == Status.REFUSED:
-            how = "edited since apply where dsfix changed it" if t.data is not None else "gone since apply"
-            raise DsfixError(f"patched for {_step_words(t.role)}, which --steps {listed} leaves out, but {how}; "
-                             "run `dsfix revert` first, or keep that step in --steps", path=t.rel)
-        if r.new is not None and t.data is not None:
-            changes.append(FileChange(t.rel, t.role, t.data, r.new,
-                                      (f"restores the original: --steps {listed} leaves {_step_words(t.role)} out",)))
-    pending = [c for c in changes if c.changed]
+        res = _patched(t, ctx)
+        changes.append(FileChange(t, res.new, tuple(res.notes) if res.new != t.data else ()))
+        warnings += res.warnings
+    for c in changes:  # one guard, once everything is planned
+        _guarded(c, ctx, verify)
+    changes += _restores(saved, drop, steps)
     record = (scripts[0] if scripts else None, tuple(scripts[1:]), strategy, tuple(steps))
+    pending = [c for c in changes if c.changed]
     state = None
     if pending or (saved is not None and (saved.main, tuple(saved.scripts), saved.strategy, tuple(saved.steps))
                    != record):
-        entries = dict(saved.entries) if saved else {}
-        blobs = dict(saved.blobs) if saved else {}
-        by_rel = {t.rel: t for t in targets}
-        dropped = {t.rel for t in drop}
-        for c in pending:
-            if c.rel in dropped:
-                del entries[c.rel]
-                blobs.pop((c.rel, "original"), None)
-                blobs.pop((c.rel, "patched"), None)
-                continue
-            original = c.old
-            if saved is not None and c.rel in saved.entries:
-                original = original_under_edits(saved, c.rel, c.old, by_rel[c.rel].modules)
-            entries[c.rel] = {"role": c.role, "original_sha256": sha256(original), "patched_sha256": sha256(c.new),
-                              "template": tpl.version, "strategy": strategy, "modules": list(by_rel[c.rel].modules)}
-            blobs[(c.rel, "original")] = original
-            blobs[(c.rel, "patched")] = c.new
-        state = Saved(entries, blobs, *record)
+        state = _state(saved, pending, {t.rel for t in drop}, record)
     return ApplyPlan(tuple(changes), tuple(warnings), state)
+
+
+def _restores(saved: Saved | None, drop: tuple, steps: tuple) -> list:
+    """The files of steps left out now, restored from the state folder (refused when edited or gone)."""
+    listed, out = ",".join(map(str, steps)), []
+    for t in drop:
+        r = revert_with_state(saved, t)
+        words = _step_words(t.role)
+        if r.status == Status.REFUSED:
+            how = "edited since apply where dsfix changed it" if t.data is not None else "gone since apply"
+            raise DsfixError(f"patched for {words}, which --steps {listed} leaves out, but {how}; run `dsfix revert` "
+                             "first, or keep that step in --steps", path=t.rel)
+        if r.status in WRITTEN and t.data is not None:
+            out.append(FileChange(t, r.new, (f"restores the original: --steps {listed} leaves {words} out",)))
+    return out
+
+
+def _state(saved: Saved | None, pending: list, dropped: set, record: tuple) -> Saved:
+    entries = dict(saved.entries) if saved else {}
+    blobs = dict(saved.blobs) if saved else {}
+    for c in pending:
+        if c.rel in dropped:
+            del entries[c.rel]
+            blobs.pop((c.rel, "original"), None)
+            blobs.pop((c.rel, "patched"), None)
+            continue
+        original = c.old
+        if saved is not None and c.rel in saved.entries:
+            original = original_under_edits(saved, c.target)
+        entries[c.rel] = {"role": c.target.role, "original_sha256": sha256(original), "patched_sha256": sha256(c.new),
+                          "strategy": record[2], "modules": list(c.target.modules)}
+        blobs[(c.rel, "original")] = original
+        blobs[(c.rel, "patched")] = c.new
+    return Saved(entries, blobs, *record)
 
 
 def _step_words(role: str) -> str:
@@ -241,48 +215,22 @@ def left_out(saved: Saved | None, steps: tuple) -> list:
                   if e.get("role") in ("step1", "step2", "step3", "loader") and e.get("role") not in keep)
 
 
-def original_under_edits(saved: Saved, rel: str, current: bytes, modules: tuple) -> bytes:
+def original_under_edits(saved: Saved, target: Target) -> bytes | None:
     """The original to keep when a file dsfix patched before is patched again (an upgrade, say)."""
-    entry = saved.entries[rel]
-    if sha256(current) == entry["patched_sha256"]:
+    rel, current = target.rel, target.data
+    if sha256(current) == saved.entries[rel]["patched_sha256"]:
         return saved.blob(rel, "original")
+    original = saved.blob(rel, "original")
+    if original is None or current is None:
+        return original
     # edited after the last apply: carry the user's edits over to the recorded original
-    merged = merge3(saved.blob(rel, "patched"), current, saved.blob(rel, "original"))
+    merged = merge3(saved.blob(rel, "patched"), current, original)
     if merged is not None:
         return merged
-    return unpatch(current, rel, entry["role"], tuple(entry.get("modules") or modules))
+    return FIXERS[target.kind].unpatch(current, saved.target(rel, current))[0]
 
 
 # ----------------------------------------------------------------------------- revert
-
-
-def unpatch(data: bytes, rel: str, role: str, modules: tuple) -> bytes:
-    """Undo dsfix's change structurally; the user's other edits stay."""
-    try:
-        if role in ("utils", "loader"):
-            module = parse(data, rel)
-            new = transforms.unpatch_utils(module) if role == "utils" else transforms.unpatch_loader(module)
-            out = render(new, rel) if new is not module else data
-        else:
-            out = transforms.unpatch_main(data, modules, rel).new or data
-    except DsfixError as e:
-        raise DsfixError(e.message, e.code, path=rel) from None
-    if out != data:
-        check_compiles(out, rel)
-    return out
-
-
-def dsfix_block(data: bytes) -> str:
-    """dsfix's inserted statements (and the marker), as text, to tell whether a user edited them."""
-    module = cst.parse_module(data)
-    return "".join(module.code_for_node(s) for s in module.body
-                   if (n := defined_name(s)) is not None and is_dsfix_name(n))
-
-
-def has_residue(data: bytes, rel: str, role: str, modules: tuple) -> bool:
-    if role in ("utils", "loader"):
-        return transforms.find_marker(parse(data, rel)) is not None
-    return transforms.main_is_patched(data, modules, rel)
 
 
 def _hunks(a: list, b: list) -> list:
@@ -304,70 +252,68 @@ def merge3(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
     return b"".join(out)
 
 
-_OVERLAP = ("edited after apply in a way that overlaps dsfix's change (use --force to restore the original and "
-            "keep your version beside it)")
-
-
-def revert_with_state(saved: Saved, rel: str, current: bytes | None) -> RevertOutcome:
-    entry = saved.entries[rel]
-    role, modules = entry["role"], tuple(entry.get("modules") or ())
-    if current is None:
-        return RevertOutcome(rel, None, Status.REFUSED, "the file is gone; restore it or use --force")
-    original, patched = saved.blob(rel, "original"), saved.blob(rel, "patched")
-    if sha256(current) == entry["patched_sha256"]:
-        return RevertOutcome(rel, original, Status.RESTORED)
-    if sha256(current) == entry["original_sha256"]:
-        return RevertOutcome(rel, None, Status.UNCHANGED)
-    merged = merge3(patched, current, original)
-    if merged is not None and not has_residue(merged, rel, role, modules):
-        return RevertOutcome(rel, merged, Status.MERGED, notes=["kept your edits made after apply"])
-    structural_ok = unpatch(patched, rel, role, modules) == original
-    if role in ("utils", "loader"):
-        structural_ok = structural_ok and dsfix_block(current) == dsfix_block(patched)
-    if structural_ok:
-        try:
-            return RevertOutcome(rel, unpatch(current, rel, role, modules), Status.STRUCTURAL,
-                                 notes=["kept your edits made after apply"])
-        except DsfixError:
-            pass
-    return RevertOutcome(rel, None, Status.REFUSED, _OVERLAP)
-
-
-def revert_without_state(target: Target, tpl_for, force: bool) -> RevertOutcome:
-    """``tpl_for(strategy)``: the template, to tell whether dsfix's block was edited."""
-    rel, role, cur = target.rel, target.role, target.data
-    if not has_residue(cur, rel, role, target.modules):
-        return RevertOutcome(rel, None, Status.UNCHANGED)
-    if role in ("utils", "loader"):
-        module = parse(cur, rel)
-        info = transforms.find_marker(module)
-        strategy = info.get("strategy") if info.get("strategy") in ("clone", "dedupe") else "clone"
-        tpl = tpl_for(strategy) if role == "utils" else load_loader()
-        if f"v{tpl.version}" == info.get("template") and not force:
-            base = unpatch(cur, rel, role, ())
-            if role == "utils":
-                redo = transforms.patch_utils(base, parse(base, rel), tpl, strategy, rel).new
-            else:
-                redo = transforms.patch_loader(base, parse(base, rel), tpl, rel).new
-            if dsfix_block(redo) != dsfix_block(cur):
-                return RevertOutcome(rel, None, Status.REFUSED, "dsfix's inserted code was edited, and there is no "
-                                     "state folder to compare with (use --force to remove it anyway)")
-        if info.get("replaced") and force:
-            new = render(transforms.unpatch_utils(module, keep_replaced=True), rel)
-            return RevertOutcome(rel, new, Status.STRUCTURAL,
-                                 notes=["the hand-written function dsfix replaced could not be restored"])
+def _undone_by_merge(target: Target, patched: bytes, original: bytes | None) -> bytes | None:
+    """The user's later edits carried over to the original by a three-way merge, when that leaves nothing of
+    dsfix's change (and parses); else None."""
+    if original is None:
+        return None
+    merged = merge3(patched, target.data, original)
+    if merged is None:
+        return None
     try:
-        new = unpatch(cur, rel, role, target.modules)
+        return None if FIXERS[target.kind].is_patched(merged, target) else merged
+    except DsfixError:  # the merge does not parse: not a way to undo it
+        return None
+
+
+def revert_with_state(saved: Saved, target: Target) -> RevertOutcome:
+    rel, current = target.rel, target.data
+    fixer = FIXERS[target.kind]
+    original, patched = saved.blob(rel, "original"), saved.blob(rel, "patched")
+    if sha256(current) == saved.entries[rel]["patched_sha256"]:
+        return RevertOutcome(rel, original, Status.RESTORED)
+    if sha256(current) == saved.entries[rel]["original_sha256"]:
+        return RevertOutcome(rel, None, Status.UNCHANGED)
+    if current is None:
+        return RevertOutcome(rel, None, Status.REFUSED, "the file is gone since apply")
+    try:
+        parse_script(current, rel)
+        merged = _undone_by_merge(target, patched, original)
+        if merged is not None:
+            return RevertOutcome(rel, merged, Status.MERGED, notes=["kept your edits made after apply"])
+        if fixer.unpatch(patched, target)[0] == original and fixer.own_part(current) == fixer.own_part(patched):
+            return RevertOutcome(rel, fixer.unpatch(current, target)[0], Status.STRUCTURAL,
+                                 notes=["kept your edits made after apply"])
     except DsfixError as e:
-        return RevertOutcome(rel, None, Status.REFUSED, e.message)
-    return RevertOutcome(rel, new, Status.STRUCTURAL, notes=["no state folder: undone structurally"])
+        return RevertOutcome(rel, None, Status.REFUSED, e.message, line=e.line)
+    return RevertOutcome(rel, None, Status.REFUSED, "edited after apply where dsfix changed it")
+
+
+def revert_without_state(target: Target, force: bool, ctx: Context) -> RevertOutcome:
+    """A structural undo of what the file itself shows dsfix changed."""
+    rel, cur = target.rel, target.data
+    fixer = FIXERS[target.kind]
+    try:
+        if cur is None or not fixer.is_patched(cur, target):
+            return RevertOutcome(rel, None, Status.UNCHANGED)
+        edited = fixer.edited(cur, target, ctx)
+        if edited and not force:
+            return RevertOutcome(rel, None, Status.REFUSED, "dsfix's code in it was edited, and there is no state "
+                                 "folder to compare with")
+        new, notes = fixer.unpatch(cur, target, force)
+    except DsfixError as e:
+        return RevertOutcome(rel, None, Status.REFUSED, e.message, line=e.line)
+    keep_as = rel + ".dsfix-edited" if edited and new is None else None
+    notes = [*notes, "no state folder: undone structurally"]
+    if keep_as:
+        notes.append(f"--force: your version is kept as {keep_as}")
+    return RevertOutcome(rel, new, Status.STRUCTURAL, notes=notes, keep_as=keep_as)
 
 
 def revert_targets(saved: Saved | None, found: list) -> list:
-    """Which files revert reads, in which order: [(rel, role, modules)].
-
-    With the state folder, the files it records (by path). Without it, ``found``: the checkout's targets
-    and the files that hold dsfix's marker or call its functions, each once, utils.py first."""
+    """Which files revert reads: [(rel, role, modules)]. With the state folder, the files it records; without
+    it, ``found``: the checkout's targets and the files that hold dsfix's marker or call its functions, each
+    once, in the order found."""
     if saved is not None:
         return [(rel, e["role"], tuple(e.get("modules") or ())) for rel, e in sorted(saved.entries.items())]
     seen, out = set(), []
@@ -375,29 +321,50 @@ def revert_targets(saved: Saved | None, found: list) -> list:
         if rel not in seen:
             seen.add(rel)
             out.append((rel, role, tuple(modules)))
-    return sorted(out, key=lambda t: t[1] != "utils")  # stable: otherwise in the order found
+    return out
 
 
-def plan_revert(targets: list, saved: Saved | None, force: bool, tpl_for) -> RevertPlan:
-    """One decision per file, and the writes that carry them out. With the state folder, ``targets`` are
-    the files it records; without it, utils.py first: when it holds no dsfix block, dsfix never patched
-    this checkout and the scripts' calls of save_hf_format_safetensors are someone's hand edit, left alone."""
+def _anchored(targets: list) -> bool:
+    """Without the state folder: whether dsfix patched this checkout at all, as its utils.py tells (a call of
+    save_hf_format_safetensors without dsfix's block in utils.py is someone's hand edit, left alone)."""
+    for t in targets:
+        if FIXERS[t.kind].anchor:
+            try:
+                return t.data is not None and FIXERS[t.kind].is_patched(t.data, t)
+            except DsfixError:
+                return True  # unreadable: the decision (a refusal) is the fixer's, below
+    return False
+
+
+def plan_revert(targets: list, saved: Saved | None, force: bool) -> RevertPlan:
+    """One decision per file, and the writes that carry them out, all or none."""
     if saved is not None:
-        results = [revert_with_state(saved, t.rel, t.data) for t in targets]
-    elif not targets or not has_residue(targets[0].data, targets[0].rel, "utils", ()):
+        results = [revert_with_state(saved, t) for t in targets]
+    elif not _anchored(targets):
         results = [RevertOutcome(t.rel, None, Status.UNCHANGED) for t in targets]
     else:
-        results = [revert_without_state(t, tpl_for, force) for t in targets]
+        ctx = Context(modules=tuple(dict.fromkeys(m for t in targets for m in t.modules)))
+        results = [revert_without_state(t, force, ctx) for t in targets]
     refused = [r for r in results if r.status == Status.REFUSED]
+    current = {t.rel: t.data for t in targets}
     if refused and force and saved is not None:
         for r in refused:
             r.new, r.status = saved.blob(r.rel, "original"), Status.RESTORED
-            r.keep_as = r.rel + ".dsfix-edited"
-            r.notes.append(f"--force: your version is kept as {r.keep_as}")
+            r.keep_as = r.rel + ".dsfix-edited" if current[r.rel] is not None else None
+            r.notes.append(f"--force: restored the original ({r.reason})" + (
+                f"; your version is kept as {r.keep_as}" if r.keep_as else ""))
+            r.reason, r.line = "", None
         refused = []
     if refused:
+        for r in results:
+            if r.status in WRITTEN:
+                r.status, r.notes = Status.NOT_WRITTEN, ["left as it is: revert writes every file or none"]
         return RevertPlan(tuple(results), tuple(refused))
-    current = {t.rel: t.data for t in targets}
+    for r in results:
+        if r.status in WRITTEN and r.new is None and current[r.rel] is not None:
+            r.status = Status.REMOVED
+    by_rank = {t.rel: FIXERS[t.kind].rank for t in targets}
     kept = [(r.keep_as, current[r.rel]) for r in results if r.keep_as and current[r.rel] is not None]
-    restores = [(r.rel, r.new) for r in results if r.new is not None and r.new != current[r.rel]]
+    restores = sorted(((r.rel, r.new) for r in results if r.status in WRITTEN and r.new != current[r.rel]),
+                      key=lambda w: -by_rank[w[0]])  # the scripts first, the save module last
     return RevertPlan(tuple(results), (), tuple(kept + restores), tuple(rel for rel, _ in restores))

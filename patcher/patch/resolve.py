@@ -16,9 +16,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.patch.calls import Source, parse_script, statements
+from patcher.patch.imports import module_candidates
+from patcher.patch.source import Source, parse_script, statements
 from patcher.errors import DsfixError
-from patcher.patch.names import SAVE_NAMES
+from patcher.patch.names import SAVE_NAMES, dotted as dotted_name
 
 _ANCESTORS = 4  # folders above the DeepSpeed-Chat folder searched when no .git marks the repository root
 
@@ -98,7 +99,7 @@ class _PathEval:
         if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div):
             return Path(self.eval(n.left)) / str(self.eval(n.right))
         if isinstance(n, ast.Attribute):
-            dotted = _dotted(n)
+            dotted = dotted_name(n)
             if dotted in ("os.path.pardir", "os.pardir"):
                 return ".."
             if dotted in ("os.path.curdir", "os.curdir"):
@@ -108,7 +109,7 @@ class _PathEval:
                 return self._abs(base).parent
             if isinstance(base, Path) and n.attr == "parents":
                 return list(self._abs(base).parents)
-            raise _Unknown(dotted)
+            raise _Unknown(dotted or type(n).__name__)
         if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant):
             seq = self.eval(n.value)
             if isinstance(seq, list) and isinstance(n.slice.value, int):
@@ -126,7 +127,7 @@ class _PathEval:
         args = [self.eval(a) for a in n.args]
         if isinstance(n.func, ast.Attribute):
             method = n.func.attr
-            dotted = _dotted(n.func)
+            dotted = dotted_name(n.func)
             if dotted in ("os.path.join",):
                 return str(Path(*map(str, args)))
             if dotted in ("os.path.dirname",):
@@ -167,15 +168,6 @@ def _norm(p: Path) -> Path:
     return Path(*parts) if parts else p
 
 
-def _dotted(n) -> str:
-    if isinstance(n, ast.Name):
-        return n.id
-    if isinstance(n, ast.Attribute):
-        inner = _dotted(n.value)
-        return f"{inner}.{n.attr}" if inner else ""
-    return ""
-
-
 def sys_path_changes(tree: ast.Module, script: Path, source: str) -> tuple:
     """(folders prepended, folders appended, notes) from the script's sys.path.append/insert calls."""
     ev = _PathEval(script)
@@ -193,7 +185,7 @@ def sys_path_changes(tree: ast.Module, script: Path, source: str) -> tuple:
             continue
         if not (isinstance(stmt, ast.Call) and isinstance(stmt.func, ast.Attribute)):
             continue
-        if _dotted(stmt.func.value) != "sys.path" or stmt.func.attr not in ("append", "insert", "extend"):
+        if dotted_name(stmt.func.value) != "sys.path" or stmt.func.attr not in ("append", "insert", "extend"):
             continue
         try:
             if stmt.func.attr == "insert":
@@ -321,16 +313,6 @@ def _rel_to(path: Path, root: Path) -> str:
         return str(path)
 
 
-def _candidates(node) -> tuple:
-    """Dotted module names an import statement makes available as modules (from-imports: the module and
-    each imported name, which may be a submodule)."""
-    if isinstance(node, ast.Import):
-        return tuple(a.name for a in node.names)
-    if node.level or node.module is None:
-        return ()
-    return (node.module, *(f"{node.module}.{a.name}" for a in node.names if a.name != "*"))
-
-
 def _may_bring_save(node) -> bool:
     """An import worth explaining when nothing resolves: it names a save function or a utils module."""
     if isinstance(node, ast.ImportFrom):
@@ -357,7 +339,7 @@ def resolve_script(script: Path, data: bytes, chat_root: Path) -> Resolution:
                 res.lines.append(ImportLine(node.lineno, _short(node, source), (), "a relative import in a script"))
             continue
         hits, reasons = [], []
-        for dotted in _candidates(node):
+        for dotted in module_candidates(node):
             path, why = locate_module(dotted, roots)
             if path is not None and defines_save(path):
                 hits.append((dotted, Path(os.path.abspath(path))))

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from patcher.patch import calls, folder, keyfilter
-from patcher.errors import DsfixError
-from patcher.patch.names import CORE, RENAMES
+from patcher.patch import folder, imports, keyfilter
+from patcher.patch import source as src
+from patcher.errors import DsfixError, Refused
+from patcher.patch.names import MODULE_FUNCTIONS, RENAMES
 
-EXTRAS = ("max_shard_size", "strategy")  # dsfix's own keyword-only options
+EXTRAS = ("strategy", "max_shard_size")  # dsfix's own keyword-only options, after the fork's parameters
 RANK_NAMES = ("global_rank", "rank")
 STAGE_NAMES = ("zero_stage", "stage")
 _EMPTY = cst.Module([])
@@ -63,7 +64,10 @@ class SaveDef:
     writes: frozenset = frozenset({"weights", "config", "tokenizer"})  # what the original saves
     drop: str | None = None  # dsfix's drop= for the keys the original leaves out (None: upstream's "lora" rule)
 
-    def header(self, new_name: str) -> str:
+    def header(self, new_name: str, defaults: dict | None = None, width: int = 100) -> str:
+        """``def NEW(<the fork's parameters>, *, strategy=..., max_shard_size=None):``, the extras' default
+        values from ``defaults`` (None where not given)."""
+        defaults = defaults or {}
         taken = {p.name for p in self.params}
         parts, star = [], False
         for i, p in enumerate(self.params):
@@ -72,7 +76,7 @@ class SaveDef:
                 if p.kind == "kwonly":
                     parts.append("*")
             if p.kind == "varkw":
-                extras = [f"{e}=None" for e in EXTRAS if e not in taken]
+                extras = [f"{e}={defaults.get(e, 'None')}" for e in EXTRAS if e not in taken]
                 if extras and not star:
                     parts.append("*")
                 parts += extras
@@ -80,11 +84,11 @@ class SaveDef:
             parts.append(p.text)
             if p.kind == "posonly" and (i + 1 == len(self.params) or self.params[i + 1].kind != "posonly"):
                 parts.append("/")
-        extras = [f"{e}=None" for e in EXTRAS if e not in taken]
+        extras = [f"{e}={defaults.get(e, 'None')}" for e in EXTRAS if e not in taken]
         if extras and not star:
             parts.append("*")
         parts += extras
-        return f"def {new_name}({', '.join(parts)}):"
+        return _wrapped(f"def {new_name}(", parts, "):", width)
 
 
 # ----------------------------------------------------------------------------- reading a definition
@@ -147,8 +151,8 @@ def _writes(fn: ast.FunctionDef) -> frozenset:
 def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.FunctionDef = None, source=None,
              aliases: dict | None = None) -> SaveDef:
     """What dsfix's replacement of ``fn`` must take, pass and copy; refuses what it cannot carry over.
-    ``fn_ast``/``source``: the same function parsed by ast and its file's text (calls.Source), for line
-    numbers; ``aliases``: the module's top-level imports (folder.module_aliases)."""
+    ``fn_ast``/``source``: the same function parsed by ast and its file's text (source.Source), for line
+    numbers; ``aliases``: the module's top-level imports (imports.module_aliases)."""
     name = fn.name.value
     params = _params(fn)
     positional = [p for p in params if p.kind in ("posonly", "pos")]
@@ -156,72 +160,82 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.Functi
         raise DsfixError(f"{name} takes no positional model parameter", path=rel, line=line)
     if fn_ast is None or source is None:
         text = code(fn.with_changes(leading_lines=[], decorators=[]))
-        fn_ast, source, line = ast.parse(text).body[0], calls.Source(text), line if line else None
+        fn_ast, source, line = ast.parse(text).body[0], src.Source(text), line if line else None
     names = {p.name for p in params}
-    lines = folder.Lines(fn, line)
     body = _body(fn)
-    where = folder.read_folder(fn, body, names, aliases if aliases is not None else {"os": "os"}, lines, rel)
+    where = folder.read_folder(fn, body, names, aliases if aliases is not None else {"os": "os"},
+                               folder.Lines(fn, line), rel)
     writes = _writes(fn_ast)
     if name == "save_hf_format" and "weights" not in writes:
         raise DsfixError(f"{name} saves no weights (no torch.save, save_file or save_pretrained of the model in "
                          "it): there is nothing in it for dsfix to turn into safetensors", path=rel, line=line)
+    keys = _read_keys(name, fn_ast, source, names, rel)
+    other_reads = set().union(*(folder.reads(s, where.carried) for s in body)) if body else set()
+    other_reads -= keys.params  # read by the key test, which dsfix's save carries
+    passed, notes = _passed(name, params, positional[0].name, set(where.reads), other_reads, rel, line)
+    _check_rank(name, fn, dict(passed), rel, line)
+    return SaveDef(name, params, line, where.statements, where.expression, tuple(passed), tuple(notes),
+                   writes=writes, drop=keys.argument())
+
+
+def _read_keys(name: str, fn_ast: ast.FunctionDef, source, names: set, rel: str) -> keyfilter.KeyFilter:
     try:
-        keys = keyfilter.read_filter(fn_ast, source, names)
-    except keyfilter.Refused as e:
+        return keyfilter.read_filter(fn_ast, source, names)
+    except Refused as e:
         raise DsfixError(f"{name} {e.message}; dsfix leaves out only keys it can test by name as the fork does "
                          "(in, ==, startswith, endswith, and/or/not): rewrite that test so", path=rel,
                          line=e.line) from None
-    where_reads = set(where.reads)
-    other_reads = set().union(*(folder.reads(s, where.carried) for s in body)) if body else set()
-    other_reads -= keys.params  # read by the key test, which dsfix's save carries
-    model = positional[0].name
-    roles, notes, passed = {model: "model"}, [], []
-    for p in params[1:] if params[0].name == model else params:
+
+
+def _role(p: Param, where_reads: set) -> str:
+    """What a parameter is to the save: read from its name, or from its feeding the folder."""
+    if "tokenizer" in p.name:
+        return "tokenizer"
+    if p.name in RANK_NAMES:
+        return "rank"
+    if p.name in STAGE_NAMES:
+        return "stage"
+    if p.name == "args":
+        return "args"
+    return "where" if p.name in where_reads else "unknown"
+
+
+PASSED_AS = {"tokenizer": "tokenizer", "rank": "global_rank", "stage": "zero_stage"}  # role -> the module's keyword
+
+
+def _passed(name: str, params: tuple, model: str, where_reads: set, other_reads: set, rel: str, line) -> tuple:
+    """([(the save module's keyword, parameter)], notes): what dsfix's wrapper passes on, and the parameters it
+    accepts and leaves unused; refuses a parameter that changes what the original does in a way it cannot tell."""
+    passed, notes = [], []
+    unused = f"{name}'s parameter {{}} is accepted and unused: the original never reads it"
+    for p in params:
         if p.name == model:
             continue
-        read_elsewhere = p.name in other_reads
-        if "tokenizer" in p.name:
-            role = "tokenizer"
-        elif p.name in RANK_NAMES:
-            role = "rank"
-        elif p.name in STAGE_NAMES:
-            role = "stage"
-        elif p.name == "args":
-            role = "args"
-        elif p.name in where_reads:
-            role = "where"
-        else:
-            role = "unknown"
-        if role in ("tokenizer", "rank", "stage") and not read_elsewhere and p.name not in where_reads:
-            notes.append(f"{name}'s parameter {p.name} is accepted and unused: the original never reads it")
-            continue
-        if role == "tokenizer":
-            passed.append(("tokenizer", p.name))
-        elif role == "rank":
-            passed.append(("global_rank", p.name))
-        elif role == "stage" and name == "save_zero_three_model":
-            passed.append(("zero_stage", p.name))
-        elif role == "unknown":
-            if read_elsewhere:
-                raise DsfixError(
-                    f"{name}'s parameter {p.name} changes what the original does (it is read outside the folder "
-                    "computation), and dsfix cannot tell how; it refuses rather than save something else",
-                    path=rel, line=line)
-            if p.kind not in ("varpos", "varkw"):
-                notes.append(f"{name}'s parameter {p.name} is accepted and unused: the original never reads it")
-        elif role == "where" and p.name not in where_reads:
-            pass
-        roles[p.name] = role
-    if name == "save_hf_format" and "global_rank" not in dict(passed):
-        text = code(fn)
-        if "GatheredParameters" in text or "gather_16bit" in text:
-            raise DsfixError(f"{name} gathers ZeRO-3 parameters itself but takes no rank parameter, so dsfix cannot "
-                             "tell which rank writes", path=rel, line=line)
-    if name == "save_zero_three_model" and "global_rank" not in dict(passed):
+        role, read_elsewhere = _role(p, where_reads), p.name in other_reads
+        if role in PASSED_AS and not read_elsewhere and p.name not in where_reads:
+            notes.append(unused.format(p.name))
+        elif role in PASSED_AS and (role != "stage" or name == "save_zero_three_model"):
+            passed.append((PASSED_AS[role], p.name))
+        elif role == "unknown" and read_elsewhere:
+            raise DsfixError(f"{name}'s parameter {p.name} changes what the original does (it is read outside the "
+                             "folder computation), and dsfix cannot tell how; it refuses rather than save something "
+                             "else", path=rel, line=line)
+        elif role == "unknown" and p.kind not in ("varpos", "varkw"):
+            notes.append(unused.format(p.name))
+    return passed, notes
+
+
+def _check_rank(name: str, fn: cst.FunctionDef, passed: dict, rel: str, line) -> None:
+    """dsfix must know which rank writes: refuse a save that gathers ZeRO-3 itself, or a ZeRO-3 save, without
+    a rank parameter it reads."""
+    if "global_rank" in passed:
+        return
+    if name == "save_hf_format" and ("GatheredParameters" in code(fn) or "gather_16bit" in code(fn)):
+        raise DsfixError(f"{name} gathers ZeRO-3 parameters itself but takes no rank parameter, so dsfix cannot "
+                         "tell which rank writes", path=rel, line=line)
+    if name == "save_zero_three_model":
         raise DsfixError(f"{name} takes no global_rank (or rank) parameter that it reads; dsfix needs it to tell "
                          "which rank writes", path=rel, line=line)
-    return SaveDef(name, params, line, where.statements, where.expression, tuple(passed), tuple(notes),
-                   writes=writes, drop=keys.argument())
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,71 +261,64 @@ def find_defs(module: cst.Module, rel: str, data: bytes = b"") -> dict:
     """name -> SaveDef for the save functions ``module`` defines at top level (upstream's when missing)."""
     found = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef) and s.name.value in RENAMES}
     try:
-        tree = calls.parse(data)[0] if data else None
+        tree = src.parse(data)[0] if data else None
     except (SyntaxError, UnicodeDecodeError, LookupError, ValueError):
         tree = None
     nodes = {n.name: n for n in (tree.body if tree else ()) if isinstance(n, ast.FunctionDef)}
-    source = calls.Source(calls.parse(data)[1].text) if tree else None
-    aliases = folder.module_aliases(module) if found else {}
+    text = src.Source(src.parse(data)[1].text) if tree else None
+    aliases = imports.module_aliases(module) if found else {}
     out = {}
     for name in RENAMES:
         if name in found:
             fn_ast = nodes.get(name)
-            out[name] = read_def(found[name], rel, fn_ast.lineno if fn_ast else None, fn_ast, source, aliases)
+            out[name] = read_def(found[name], rel, fn_ast.lineno if fn_ast else None, fn_ast, text, aliases)
         else:
-            out[name] = dataclasses.replace(default_def(name), missing=not _binds(module, name))
+            out[name] = dataclasses.replace(default_def(name), missing=not imports.binds(module, name))
     return out
-
-
-def _binds(module: cst.Module, name: str) -> bool:
-    """Whether ``module`` binds ``name`` at its top level in some other way than a def: an import (a star
-    import may bring it), an assignment, a class."""
-    for stmt in module.body:
-        small = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt]
-        for node in small:
-            if isinstance(node, cst.ImportFrom) and isinstance(node.names, cst.ImportStar):
-                return True
-            if isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(node.names, cst.ImportStar):
-                for alias in node.names:
-                    bound = alias.asname.name if alias.asname else alias.name
-                    if isinstance(bound, cst.Name) and bound.value == name:
-                        return True
-            if isinstance(node, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
-                targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
-                if any(isinstance(t, cst.Name) and t.value == name for t in targets):
-                    return True
-            if isinstance(node, cst.ClassDef) and node.name.value == name:
-                return True
-            if isinstance(node, (cst.If, cst.Try)) and name in cst.Module(body=[node]).code:
-                return True  # defined under a condition: dsfix cannot tell, so it does not refuse
-    return False
 
 
 # ----------------------------------------------------------------------------- generating dsfix's function
 
 
-def generate(sd: SaveDef, docstring: str, indent: str = "    ") -> str:
-    """dsfix's replacement of ``sd`` as source text: the same parameters, the folder computed as the
-    original computes it, then one call of the template's core function."""
-    new = RENAMES[sd.name]
+def generate(sd: SaveDef, docstring: str, strategy: str, indent: str = "    ", width: int = 100) -> str:
+    """dsfix's wrapper of ``sd`` as source text: the same parameters (then ``strategy``, as chosen at apply,
+    and ``max_shard_size``), the folder computed as the original computes it, then one call of the save
+    module's function."""
     args = [next(p.name for p in sd.params if p.kind in ("posonly", "pos"))]
     passed = dict(sd.passed)
     if sd.name == "save_hf_format":
         args.append(passed.pop("tokenizer", "None"))
     args.append(sd.folder)
-    taken = {p.name for p in sd.params}
-    for key, value in passed.items():
-        args.append(f"{key}={value}")
+    args += [f"{key}={value}" for key, value in passed.items()]
     if sd.drop is not None:  # the fork's own save leaves out other keys than upstream's: so does dsfix's
         args.append(f"drop={sd.drop}")
     if sd.name == "save_zero_three_model" and "config" in sd.writes:  # the fork's ZeRO-3 save writes config.json
         args.append("with_config=True")
-    for e in EXTRAS:
-        args.append(f"{e}={e}" if e not in taken else f"{e}=None")
-    lines = [sd.header(new), f"{indent}{docstring}"]
+    taken = {p.name for p in sd.params}
+    chosen = {"strategy": f'"{strategy}"', "max_shard_size": "None"}
+    args += [f"{e}={e}" if e not in taken else f"{e}={chosen[e]}" for e in EXTRAS]
+    lines = [sd.header(RENAMES[sd.name], chosen), f"{indent}{docstring}"]
     lines += [indent + s.replace("\n", "\n" + indent) if "\n" in s else indent + s for s in sd.where]
-    lines.append(f"{indent}{CORE[sd.name]}({', '.join(args)})")
+    lines.append(_wrapped(f"{MODULE_FUNCTIONS[sd.name]}(", args, ")", width, indent, indent))
     return "\n".join(lines) + "\n"
+
+
+def _wrapped(opening: str, parts: list, closing: str, width: int, indent: str = "", hang: str = "        ") -> str:
+    """``opening`` + the comma-separated ``parts`` + ``closing`` on one line, or, where that would pass
+    ``width``, the parts on the lines after the opening, indented by ``hang`` more (PEP 8's hanging indent:
+    two steps for a def's parameters, so that they stand apart from its body; one for a call's arguments)."""
+    one = indent + opening + ", ".join(parts) + closing
+    if len(one) <= width:
+        return one
+    pad = indent + hang
+    lines, line = [indent + opening], pad
+    for i, part in enumerate(parts):
+        piece = part + ("," if i < len(parts) - 1 else closing)
+        if line != pad and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line = pad
+        line += piece if line == pad else " " + piece
+    return "\n".join(lines + [line])
 
 
 # ----------------------------------------------------------------------------- binding a call
@@ -363,4 +370,32 @@ def params_of(source: str) -> tuple:
     return _params(cst.parse_statement(source))
 
 
-__all__ = ["SaveDef", "Param", "find_defs", "generate", "bind", "params_of", "RENAMES", "CORE"]
+def check_binding(sd: SaveDef, call) -> None:
+    """A call (calls.SaveCall) must bind to dsfix's function, each argument to the parameter of the same name
+    (and so the same meaning) that it reaches in the checkout's own function."""
+    new = RENAMES[sd.name]
+    ours = params_of(sd.header(new) + "\n    pass\n")
+    try:
+        before = bind(sd.params, call.args)
+    except ValueError as e:
+        raise DsfixError(f"{call.how}(...) does not bind to the checkout's own {sd.name}: it {e}; it would raise "
+                         "TypeError already, and dsfix will not rewrite it", line=call.line) from None
+    try:
+        after = bind(ours, call.args)
+    except ValueError as e:  # pragma: no cover - the parameters are copied, so this is a dsfix bug
+        raise DsfixError(f"{call.how}(...) would not bind to {new}: it {e}", line=call.line) from None
+    if before != after:  # pragma: no cover - likewise
+        raise DsfixError(f"{call.how}(...) would pass its arguments to other parameters of {new}", line=call.line)
+
+
+def check_passable(sd: SaveDef, use) -> None:
+    """A use that is not a call (calls.Use: the function stored or passed on) is called later with arguments
+    dsfix cannot see: it may refer to dsfix's function only when that takes exactly the fork's parameters."""
+    names = {p.name for p in sd.params}
+    if any(p.kind == "varkw" for p in sd.params) and not all(e in names for e in EXTRAS):
+        raise DsfixError(f"{use.how} is used as a value (stored or passed on), and dsfix's {RENAMES[sd.name]} "
+                         f"takes keywords ({', '.join(EXTRAS)}) that the fork's **{sd.params[-1].name} "
+                         "would have taken; call it directly instead", line=use.line)
+
+
+__all__ = ["SaveDef", "Param", "find_defs", "generate", "bind", "params_of", "check_binding", "check_passable"]

@@ -91,6 +91,9 @@ def find_root(repo: str | os.PathLike = ".") -> Path | None:
         raise DsfixError("no such file or folder; pass a DeepSpeed-Chat checkout or a folder inside it",
                          path=str(repo))
     start = start.resolve()
+    if start.is_file():
+        raise DsfixError("is a file, not a folder; pass the folder that holds it (--main and --script name "
+                         "scripts)", path=str(repo))
     for d in (start, *start.parents):
         if (d / STATE_DIR / "state.json").is_file() or any(d.glob(f"{STATE_DIR}.old-*")):
             return d
@@ -174,6 +177,9 @@ def load(root: Path) -> Saved | None:
         entries, blobs = data["files"], {}
         for rel, entry in entries.items():
             for kind in ("original", "patched"):
+                if entry[f"{kind}_sha256"] is None:  # the file was not there (the save module before apply)
+                    blobs[(rel, kind)] = None
+                    continue
                 blob = (folder / kind / rel).read_bytes()
                 if sha256(blob) != entry[f"{kind}_sha256"]:
                     raise ValueError(f"{kind} copy of {rel} does not match its hash")
@@ -189,7 +195,8 @@ def _build(folder: Path, saved: Saved) -> None:
     folder.mkdir()
     files = {".gitignore": b"# written by dsfix: this folder ignores itself\n*\n"}
     for (rel, kind), data in saved.blobs.items():
-        files[f"{kind}/{rel}"] = data
+        if data is not None:
+            files[f"{kind}/{rel}"] = data
     record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main, "scripts": list(saved.scripts),
               "strategy": saved.strategy, "steps": list(saved.steps)}
     files["state.json"] = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
@@ -241,59 +248,87 @@ def _write_temp(target: Path, data: bytes) -> Path:
 
 
 def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> None:
-    """Write ``writes`` ([(path, new bytes)]) and replace the state folder with ``state`` (a Saved, None to
-    remove it, KEEP to leave it): all of it, or nothing."""
+    """Write ``writes`` ([(path, new bytes, or None to remove the file)], in that order) and replace the state
+    folder with ``state`` (a Saved, None to remove it, KEEP to leave it): all of it, or nothing."""
     folder, pid = root / STATE_DIR, os.getpid()
     new_dir, old_dir = root / f"{STATE_DIR}.new-{pid}", root / f"{STATE_DIR}.old-{pid}"
     temps, done, swapped = [], [], False
     try:
         if isinstance(state, Saved):
-            try:
-                _build(new_dir, state)
-            except OSError as e:
-                raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
-                                 path=STATE_DIR + "/") from None
+            _build_or_refuse(new_dir, state)
         for target, data in writes:
-            try:
-                temps.append((target, _write_temp(target, data)))
-            except OSError as e:
-                raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
+            temps.append((target, None if data is None else _temp_or_refuse(target, data, rel_of)))
         if state is not KEEP:
-            try:
-                if folder.exists():
-                    os.replace(folder, old_dir)
-                swapped = True
-                if isinstance(state, Saved):
-                    os.replace(new_dir, folder)
-            except OSError as e:
-                raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
-                                 path=STATE_DIR + "/") from None
+            swapped = True  # from here, a failure puts the old state folder back
+            _swap_state(folder, new_dir, old_dir, state)
         for target, tmp in temps:
             old = target.read_bytes() if target.exists() else None
-            try:
-                os.replace(tmp, target)
-            except OSError as e:
-                raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
+            _put(target, tmp, rel_of)
             done.append((target, old))
         for target, _tmp in temps:
             fsync_dir(target.parent)
     except BaseException:
-        for target, old in reversed(done):
-            if old is None:
-                target.unlink()
-            else:
-                tmp = _write_temp(target, old)
-                os.replace(tmp, target)
-        for _target, tmp in temps:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if swapped:
-            if isinstance(state, Saved) and not new_dir.exists():
-                shutil.rmtree(folder, ignore_errors=True)  # the new one was swapped in: take it out
-            if old_dir.exists():
-                os.replace(old_dir, folder)
-        shutil.rmtree(new_dir, ignore_errors=True)
+        _roll_back(done, temps, swapped, folder, new_dir, old_dir, state)
         raise
     Written.mark()  # every file is in place: an interrupt from here on leaves them written
     shutil.rmtree(old_dir, ignore_errors=True)
     fsync_dir(root)
+
+
+def _build_or_refuse(new_dir: Path, state: Saved) -> None:
+    try:
+        _build(new_dir, state)
+    except OSError as e:
+        raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
+                         path=STATE_DIR + "/") from None
+
+
+def _temp_or_refuse(target: Path, data: bytes, rel_of) -> Path:
+    try:
+        return _write_temp(target, data)
+    except OSError as e:
+        raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
+
+
+def _swap_state(folder: Path, new_dir: Path, old_dir: Path, state) -> None:
+    """The old state folder moved aside and the new one (if any) moved in."""
+    try:
+        if folder.exists():
+            os.replace(folder, old_dir)
+        if isinstance(state, Saved):
+            os.replace(new_dir, folder)
+    except OSError as e:
+        raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
+                         path=STATE_DIR + "/") from None
+
+
+def _put(target: Path, tmp: Path | None, rel_of) -> None:
+    """The new file renamed into place, or (``tmp`` None) the file removed."""
+    try:
+        if tmp is None:
+            if target.exists():
+                target.unlink()
+        else:
+            os.replace(tmp, target)
+    except OSError as e:
+        raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
+
+
+def _roll_back(done: list, temps: list, swapped: bool, folder: Path, new_dir: Path, old_dir: Path, state) -> None:
+    """After a failure (or Ctrl-C) in commit: every file as it was, the old state folder back."""
+    for target, old in reversed(done):
+        if old is None:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+        else:
+            os.replace(_write_temp(target, old), target)
+    for _target, tmp in temps:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    if swapped:
+        if isinstance(state, Saved) and not new_dir.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # the new one was swapped in: take it out
+        if old_dir.exists():
+            os.replace(old_dir, folder)
+    shutil.rmtree(new_dir, ignore_errors=True)
