@@ -71,10 +71,10 @@ def test_demo_passes(tmp_path):
     assert b"demo passed" in p.stderr and b"311 tensors" in p.stderr
     assert b"dsfix check CHECKOUT" in p.stderr and b"dsfix revert CHECKOUT" in p.stderr, "what to run next"
     assert b"Loading weights" not in p.stderr and b"Warning" not in p.stderr
-    # the newcomer sees main.py's diff in full on stdout, and a summary of the utils.py insertion
-    assert p.stdout.startswith(b"diff --git a/training/step1_supervised_finetuning/main.py")
-    assert b"dschat/utils/utils.py" not in p.stdout and b"+def _dsfix_" not in p.stdout
+    # the newcomer sees utils.py's and main.py's diffs in full on stdout, and what the new save module is
+    assert p.stdout.startswith(b"diff --git a/dschat/utils/utils.py")
+    assert b"diff --git a/training/step1_supervised_finetuning/main.py" in p.stdout
+    assert b"+def save_hf_format_safetensors(" in p.stdout and b"+from . import dsfix_safetensors" in p.stdout
     assert b"+            save_hf_format_safetensors(model, tokenizer, args)" in p.stdout
-    assert re.search(rb"dschat/utils/utils\.py: \+\d+ lines, nothing removed", p.stderr)
-    assert re.search(rb"at line \d+: dsfix's block, \d+ lines: save_hf_format_safetensors, "
-                     rb"save_zero_three_model_safetensors and \d+ helpers", p.stderr)
+    assert b"dsfix_safetensors.py b/" not in p.stdout, "the new module is summarised, not printed"
+    assert re.search(rb"dschat/utils/dsfix_safetensors\.py: a new file of \d+ lines, dsfix's writer", p.stderr)

@@ -141,15 +141,15 @@ def test_check_stat_and_quiet_keep_the_exit_codes(tmp_path):
     co = copy_fixture("package", tmp_path)
     code, out, err = cli("check", co, "--stat")
     assert code == 1 and b"diff --git" not in out
-    assert b"dschat/utils/utils.py " in out and b" 2 files changed, " in out and b"insertions(+)" in out
-    assert "2 files would change" in err
+    assert b"dschat/utils/utils.py " in out and b" 3 files changed, " in out and b"insertions(+)" in out
+    assert "3 files would change" in err
     assert cli("check", co, "--quiet") == (1, b"", "")
     assert cli("apply", co, "-q") == (0, b"", "")
     assert cli("check", co, "-q") == (0, b"", "")
     code, out, _ = cli("check", co, "--stat")
     assert code == 0 and out == b""
     code, out, err = cli("revert", co, "--quiet", "--json")
-    assert code == 0 and err == "" and json.loads(out)["message"] == "2 files restored"
+    assert code == 0 and err == "" and json.loads(out)["message"] == "2 files restored, 1 removed"
 
 
 # ----------------------------------------------------------------------------- one error path

@@ -16,7 +16,9 @@ import libcst as cst
 import pytest
 
 from patcher.errors import DsfixError
-from patcher.patch import calls, signature, transforms
+from patcher.patch import calls, signature
+from patcher.patch.source import Source
+from unitkit import fix, undo
 
 MOD = "dschat.utils.utils"
 UPSTREAM = {n: signature.default_def(n) for n in signature.RENAMES}
@@ -28,7 +30,7 @@ UPSTREAM = {n: signature.default_def(n) for n in signature.RENAMES}
 def _args(call_src: str) -> list:
     text = f"f({call_src})"
     node = ast.parse(text, mode="eval").body
-    src = calls.Source(text)
+    src = Source(text)
     out = []
     for a in sorted([*node.args, *node.keywords], key=lambda a: (a.lineno, a.col_offset)):
         value = a.value if isinstance(a, (ast.keyword, ast.Starred)) else a
@@ -163,7 +165,7 @@ def test_the_carried_statements_run_for_every_call():
     """dsfix's function computes the folder each call's arguments decide, as the fork's own did."""
     d = _read("if save_dir is not None:\n    output_dir = save_dir\nelse:\n"
               "    output_dir = os.path.join(args.output_dir, sub_folder)\n")
-    text = signature.generate(d, '"""doc"""').replace("_dsfix_save_hf_format(", "return _core(")
+    text = signature.generate(d, '"""doc"""', "clone").replace("dsfix_safetensors.save_hf_format(", "return _core(")
     ns = {"os": __import__("os"), "_core": lambda *a, **k: a}
     exec(text, ns)
     fn = ns["save_hf_format_safetensors"]
@@ -309,13 +311,13 @@ USES = [  # (script, what the patched script holds, or the refusal's words)
 def test_every_use_of_the_save_functions_is_rewritten_or_refused(src, expected):
     if "\n" not in expected:
         with pytest.raises(DsfixError) as e:
-            transforms.patch_main(src.encode(), (MOD,), UPSTREAM)
+            fix("script", src.encode())
         assert expected in e.value.message and e.value.line is not None and len(str(e.value)) <= 300
         return
-    res = transforms.patch_main(src.encode(), (MOD,), UPSTREAM)
+    res = fix("script", src.encode())
     assert res.new.decode() == expected
-    assert transforms.unpatch_main(res.new, (MOD,)).new == src.encode(), "revert gives every byte back"
-    assert transforms.patch_main(res.new, (MOD,), UPSTREAM).new in (None, res.new), "a second patch changes nothing"
+    assert undo("script", res.new) == src.encode(), "revert gives every byte back"
+    assert fix("script", res.new).new == res.new, "a second patch changes nothing"
 
 
 def test_a_stored_save_refused_when_dsfix_would_take_keywords_the_fork_passed_on():
@@ -324,4 +326,4 @@ def test_a_stored_save_refused_when_dsfix_would_take_keywords_the_fork_passed_on
     defs = signature.find_defs(cst.parse_module(src), "utils.py", src.encode())
     script = f"from {MOD} import save_hf_format\nhelper(save_hf_format)\n".encode()
     with pytest.raises(DsfixError, match="used as a value"):
-        transforms.patch_main(script, (MOD,), defs)
+        fix("script", script, defs=defs)

@@ -159,7 +159,7 @@ def test_recorded_steps_and_strategy_change_only_when_given(tmp_path):
     patched = snapshot(top)
     step2 = "training_model/step2_reward_model_finetuning/main.py"
     assert patched[step2] != before[step2]
-    assert b'_DSFIX_STRATEGY = "dedupe"' in patched["dschat/utils/utils.py"]
+    assert b'strategy="dedupe"' in patched["dschat/utils/utils.py"]
     assert cli("check", ".", cwd=cwd)[0] == 0 and cli("apply", ".", cwd=cwd)[0] == 0
     assert snapshot(top) == patched
 

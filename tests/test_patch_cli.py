@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from patcher.patch.template import load_template
+from patcher.patch.template import module_bytes, module_version
 from patchkit import FIXTURES, cli, copy_fixture, git_apply, pyflakes_messages, run, snapshot
 
 CHECKOUTS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and not (p / "FIXTURE.json").exists())
@@ -85,7 +85,7 @@ def test_stdout_carries_only_the_diff_and_stderr_the_messages(tmp_path):
     co = copy_fixture("package", tmp_path)
     p = run("check", co, cwd=tmp_path)
     assert p.stdout.startswith(b"diff --git ") and b"would change" not in p.stdout
-    assert b"2 files would change" in p.stderr
+    assert b"3 files would change" in p.stderr
     assert b"\x1b[" not in p.stderr  # no colour off a TTY
     p = run("check", "--json", co)
     data = json.loads(p.stdout)
@@ -108,100 +108,70 @@ def test_strategy_dedupe_and_switching_strategy_upgrades_in_place(tmp_path):
     before = snapshot(co)
     assert cli("apply", co, "--strategy", "dedupe")[0] == 0
     utils = (co / "dschat/utils/utils.py").read_bytes()
-    assert b'_DSFIX_STRATEGY = "dedupe"' in utils and b"strategy=dedupe" in utils
+    assert b'strategy="dedupe"' in utils and b"strategy=dedupe" in utils
     assert cli("check", co)[0] == 0, "a plain check keeps the recorded strategy"
-    code, diff, err = cli("check", co, "--strategy", "clone")  # one block, changed in place
-    assert code == 1 and b'-_DSFIX_STRATEGY = "dedupe"' in diff and b'+_DSFIX_STRATEGY = "clone"' in diff
-    assert "strategy dedupe -> clone" in err and "added imports" not in err, err
+    code, diff, err = cli("check", co, "--strategy", "clone")  # the wrappers, changed in place
+    assert code == 1 and b'strategy="dedupe"' in diff and b'strategy="clone"' in diff
+    assert b"+++ b/dschat/utils/dsfix_safetensors.py" not in diff, "the save module is the same for both strategies"
+    assert "strategy dedupe -> clone" in err and "adds" not in err, err
     assert cli("apply", co, "--strategy", "clone")[0] == 0
     assert cli("check", co)[0] == 0, "the new strategy is recorded"
     utils = (co / "dschat/utils/utils.py").read_bytes()
     assert utils.count(b"def save_hf_format_safetensors(") == 1
-    assert utils.count(b"from safetensors import safe_open") == 1
+    assert utils.count(b"from . import dsfix_safetensors") == 1
     assert cli("revert", co)[0] == 0
     assert snapshot(co) == before
 
 
-@pytest.mark.slow
-def test_older_template_block_is_upgraded_and_revert_still_restores_the_original(tmp_path):
-    co = copy_fixture("package", tmp_path)
-    before = snapshot(co)
-    assert cli("apply", co)[0] == 0
-    utils = co / "dschat/utils/utils.py"
-    v = load_template("clone").version
-    old = utils.read_bytes().replace(b"template=v%d" % v, b"template=v0").replace(
-        b"_DSFIX_TEMPLATE_VERSION = %d" % v, b"_DSFIX_TEMPLATE_VERSION = 0")
-    shutil.rmtree(co / ".dsfix")
-    utils.write_bytes(old)
-    code, diff, err = cli("check", co)
-    assert code == 1 and b"-_DSFIX_TEMPLATE_VERSION = 0" in diff
-    assert cli("apply", co)[0] == 0
-    assert utils.read_bytes().count(b"def save_hf_format_safetensors(") == 1
-    assert cli("revert", co)[0] == 0  # the state folder now holds the v0 file as the original
-    assert utils.read_bytes() == old
-    shutil.rmtree(co / ".dsfix", ignore_errors=True)
-    assert cli("revert", co)[0] == 0  # structural, from the marker alone
-    assert snapshot(co) == before
+OLD_PATCHES = FIXTURES.parent / "old_patches"
 
 
 @pytest.mark.slow
-def test_the_block_inserted_into_upstreams_utils_is_at_most_320_lines(tmp_path):
-    """Whoever opens their utils.py reads dsfix's block: its opening comment, imports and code included."""
-    import difflib
-
-    co = copy_fixture("package", tmp_path)
-    utils = co / "dschat" / "utils" / "utils.py"
-    before = utils.read_text().splitlines()
-    assert cli("apply", co)[0] == 0
-    after = utils.read_text().splitlines()
-    added = [line for line in difflib.unified_diff(before, after, lineterm="", n=0)
-             if line.startswith("+") and not line.startswith("+++")]
-    assert not [line for line in difflib.unified_diff(before, after, lineterm="", n=0)
-                if line.startswith("-") and not line.startswith("---")]
-    assert 250 < len(added) <= 320, len(added)
-
-
-V2_TEMPLATE = FIXTURES.parent / "old_templates" / "save_safetensors_v2.py"  # the template as released before v3
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name, state", [("package", True), ("package", False), ("fork-keeps-lora", True)])
-def test_a_block_of_template_v2_is_upgraded_to_the_current_one(tmp_path, monkeypatch, name, state):
-    """A checkout patched by the previous release (template v2: numpy writes, keep_lora=True for a fork that
-    keeps LoRA) gets the current block from apply, with or without its state folder; revert still works."""
-    from patcher.patch import flow, signature
-    from patcher.patch.template import parse_template
-
-    co = copy_fixture(name, tmp_path)
-    before = snapshot(co)
-    text, generate = V2_TEMPLATE.read_text(encoding="utf-8"), signature.generate
-    with monkeypatch.context() as patch:  # what the previous release wrote: its template, its calls
-        patch.setattr(flow, "load_template", lambda strategy="clone": parse_template(text, strategy, V2_TEMPLATE))
-        patch.setattr(signature, "generate", lambda *a, **k: generate(*a, **k).replace(
-            "drop=lambda name: False", "keep_lora=True"))
-        assert cli("apply", co)[0] == 0
+@pytest.mark.parametrize("name, state", [("v3-package", True), ("v3-package", False), ("v3-fork-keeps-lora", True),
+                                         ("v2-package", False), ("v2-fork-keeps-lora", True)])
+def test_an_inline_block_of_an_earlier_release_is_upgraded(tmp_path, name, state):
+    """A checkout patched by an earlier release (the v2 or v3 inline block of about 320 lines in utils.py) gets
+    the save module and the two wrappers from apply, with or without its state folder; revert still works."""
+    co = tmp_path / "co"
+    shutil.copytree(OLD_PATCHES / name / "checkout", co)
+    if state:
+        shutil.copytree(OLD_PATCHES / name / "state", co / ".dsfix")
     utils = co / "dschat" / "utils" / "utils.py"
     old = utils.read_bytes()
-    assert b"template=v2" in old and b"_DSFIX_TEMPLATE_VERSION = 2\n" in old and b".numpy()" in old
-    assert (b"keep_lora=True" in old) is (name == "fork-keeps-lora")
-    if not state:
-        shutil.rmtree(co / ".dsfix")
-    code, diff, _ = cli("check", co)
-    assert code == 1 and b"-_DSFIX_TEMPLATE_VERSION = 2\n" in diff and b"+_DSFIX_TEMPLATE_VERSION = 3\n" in diff
-    code, out, err = cli("apply", co)
-    assert code == 0 and "dsfix's block: template v2 -> v3" in (out.decode() + err)
+    assert old.count(b"_dsfix_") > 20
+    code, diff, err = cli("check", co)
+    assert code == 1 and b"+++ b/dschat/utils/dsfix_safetensors.py" in diff and b"-_DSFIX_TEMPLATE_VERSION = " in diff
+    assert f"template {name[:2]} -> v{module_version()}" in err
+    assert cli("apply", co)[0] == 0
     new = utils.read_bytes()
-    assert b"template=v3" in new and new.count(b"def save_hf_format_safetensors(") == 1
-    assert b".numpy()" not in new and b"keep_lora" not in new and b"class _DsfixTensor(NamedTuple):" in new
-    assert b"import ctypes\n" in new and b"from typing import NamedTuple\n" in new
-    assert (b"drop=lambda name: False" in new) is (name == "fork-keeps-lora")
+    assert b"_dsfix_" not in new and b"_DSFIX" not in new and new.count(b"def save_hf_format_safetensors(") == 1
+    assert b"import ctypes" not in new and b"from typing import NamedTuple" not in new and b"numpy" not in new
+    assert (b"drop=lambda name: False" in new) is ("keeps-lora" in name)
+    assert (co / "dschat/utils/dsfix_safetensors.py").read_bytes() == module_bytes()
     compile(new, str(utils), "exec")
     assert cli("check", co)[0] == 0
     assert cli("revert", co)[0] == 0
+    assert not (co / "dschat/utils/dsfix_safetensors.py").exists()
+    original = OLD_PATCHES / name / "state" / "original" / "dschat" / "utils" / "utils.py"
     if state:  # the state folder of the first apply still holds the file as it was before dsfix
-        assert snapshot(co) == before
-    else:  # the v2 file was taken as the original
+        assert utils.read_bytes() == original.read_bytes()
+        assert not (co / ".dsfix").exists()
+    else:  # the inline block was taken as the original
         assert utils.read_bytes() == old
+
+
+@pytest.mark.slow
+def test_upstreams_utils_gets_at_most_30_lines_and_one_new_file(tmp_path):
+    """Whoever opens their utils.py reads dsfix's change: the import, the marker and the two wrappers; the
+    writer is a file of its own beside it."""
+    co = copy_fixture("package", tmp_path)
+    code, out, _ = cli("check", co, "--stat")
+    rows = dict(line.split("|") for line in out.decode().splitlines() if "|" in line)
+    rows = {k.strip(): int(v.split()[0]) for k, v in rows.items()}
+    assert set(rows) == {"dschat/utils/utils.py", "dschat/utils/dsfix_safetensors.py",
+                         "training/step1_supervised_finetuning/main.py"}
+    assert rows["dschat/utils/utils.py"] <= 30
+    assert list(rows) == sorted(rows), "--stat is sorted by path, as git's"
 
 
 @pytest.mark.slow

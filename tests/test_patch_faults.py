@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -274,8 +275,10 @@ def test_killed_mid_apply_each_file_is_wholly_old_or_new_and_apply_recovers(tmp_
     # no torn target: every file is as the fixture has it or as apply writes it; a killed run may leave only
     # its own temporary files (".NAME.PID.dsfix-tmp") and a state folder aside, which the next run clears
     now = snapshot(co)
-    leftovers = {rel for rel in now if rel not in original and not rel.startswith(".dsfix")}
+    leftovers = {rel for rel in now if rel not in original and rel not in patched and not rel.startswith(".dsfix")}
     assert all(re.fullmatch(r"(.*/)?\.[^/]+\.\d+\.dsfix-tmp", rel) for rel in leftovers), leftovers
+    for rel in set(now) & set(patched) - set(original):  # a new file (the save module) is whole, or not there
+        assert now[rel] == patched[rel], rel
     for rel in original:
         assert now[rel] in (original[rel], patched[rel]), rel
     assert run("apply", co).returncode == 0
@@ -360,7 +363,7 @@ def test_revert_refuses_when_dsfix_code_was_edited_and_force_keeps_a_copy(tmp_pa
     co = copy_fixture("package", tmp_path)
     original = snapshot(co)
     assert cli("apply", co)[0] == 0
-    edited = (co / UTILS).read_bytes().replace(b'_DSFIX_STRATEGY = "clone"', b'_DSFIX_STRATEGY = "dedupe"  # mine')
+    edited = (co / UTILS).read_bytes().replace(b'"""save_hf_format, as safetensors', b'"""Mine: save_hf_format, as safetensors')
     (co / UTILS).write_bytes(edited)
     before = snapshot(co)
     p = run("revert", co)
@@ -404,7 +407,7 @@ def test_revert_without_state_keeps_user_edits(tmp_path):
 
 
 def _edit_dsfix_code(co):
-    (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b'_DSFIX_STRATEGY = "clone"', b'_DSFIX_STRATEGY = "x"'))
+    (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b'strategy="clone", max', b'strategy="x", max', 1))
 
 
 @pytest.mark.slow
@@ -443,3 +446,70 @@ def test_patch_path_never_imports_torch(tmp_path):
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code, str(co)], check=True)
+
+
+# ----------------------------------------------------------------------------- revert tells only what it wrote
+
+MODULE = "dschat/utils/dsfix_safetensors.py"
+
+
+@pytest.mark.slow
+def test_a_refused_revert_reports_only_what_it_wrote(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    assert cli("apply", co)[0] == 0
+    (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b'"""save_hf_format, as', b'"""Mine: save_hf_format, as'))
+    before = snapshot(co)
+    p = run("revert", co)
+    assert p.returncode == 1 and snapshot(co) == before
+    text = p.stderr.decode()
+    assert "restored" not in text.replace("restores the original", ""), text
+    assert f"not written: {MAIN}" in text and f"refused: {UTILS}" in text
+    assert text.splitlines()[-1].startswith(f"refused, nothing written: {UTILS}: edited after apply where dsfix")
+    result = json.loads(run("revert", "--json", co).stdout)
+    assert {f["rel"]: f["status"] for f in result["files"]} == {UTILS: "refused", MAIN: "not written",
+                                                                 MODULE: "not written"}
+    assert result["layout"] == "package"
+    p = run("revert", "--force", co)
+    assert p.returncode == 0 and b"--force restores" not in p.stderr and b"2 files restored, 1 removed" in p.stderr
+
+
+@pytest.mark.slow
+def test_revert_force_restores_a_utils_py_that_no_longer_parses(tmp_path):
+    co = copy_fixture("package", tmp_path)
+    original = snapshot(co)
+    assert cli("apply", co)[0] == 0
+    lines = (co / UTILS).read_bytes().split(b"\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith(b"def set_random_seed"))
+    lines[at] = b"def set_random_seed(seed"  # '(' never closed, at Python's line at + 1
+    broken = b"\n".join(lines)
+    (co / UTILS).write_bytes(broken)
+    want = f"{UTILS}:{at + 1}: does not parse: '(' was never closed"
+    for verb in ("check", "apply"):
+        assert want in _one_line_error(run(verb, co), 2)
+    p = run("revert", co)
+    assert p.returncode == 1 and want.encode() in p.stderr and b"--force restores" in p.stderr
+    p = run("revert", "--force", co)
+    assert p.returncode == 0, p.stderr
+    assert (co / UTILS).read_bytes() == original[UTILS] and (co / MAIN).read_bytes() == original[MAIN]
+    assert (co / (UTILS + ".dsfix-edited")).read_bytes() == broken
+    assert not (co / MODULE).exists() and not (co / ".dsfix").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", [True, False])
+def test_an_edited_save_module_is_refused_and_kept_aside_by_force(tmp_path, state):
+    co = copy_fixture("package", tmp_path)
+    original = snapshot(co)
+    assert cli("apply", co)[0] == 0
+    if not state:
+        shutil.rmtree(co / ".dsfix")
+    mine = (co / MODULE).read_bytes() + b"\n# my tweak\n"
+    (co / MODULE).write_bytes(mine)
+    before = snapshot(co)
+    p = run("revert", co)
+    assert p.returncode == 1 and snapshot(co) == before and MODULE.encode() in p.stderr
+    assert cli("check", co)[0] == 2, "check refuses to overwrite an edited save module"
+    p = run("revert", "--force", co)
+    assert p.returncode == 0, p.stderr
+    assert (co / (MODULE + ".dsfix-edited")).read_bytes() == mine and not (co / MODULE).exists()
+    assert {k: v for k, v in snapshot(co).items() if not k.endswith(".dsfix-edited")} == original

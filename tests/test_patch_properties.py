@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import os
 
-import libcst as cst
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from patchkit import FIXTURES, pyflakes_messages
 from patcher.patch import plan as planner
-from patcher.patch import signature, transforms
 from patcher.errors import DsfixError
 from patcher.patch.plan import Target
-from patcher.patch.template import load_template, parse_template
+from unitkit import fix, undo
 
 pytestmark = pytest.mark.slow  # hundreds of generated files patched and reverted
 
@@ -89,55 +87,14 @@ def main_sources(draw):
     return text.encode()
 
 
-UPSTREAM_DEFS = {name: signature.default_def(name) for name in signature.RENAMES}
-
-# A stand-in for templates/save_safetensors.py with the same shape (imports, constants, the two public
-# functions, their core functions) at a fraction of the size, so that each generated example stays cheap.
-# test_generated_utils_py_forms_with_the_real_template covers the real one.
-STAND_IN = '''"""Stand-in template."""
-import json
-import os
-import sys
-
-import torch
-from safetensors import safe_open
-
-_DSFIX_TEMPLATE_VERSION = 2
-_DSFIX_STRATEGY = "clone"
-
-
-def save_hf_format_safetensors(model, tokenizer, args, sub_folder="", *, max_shard_size=None, strategy=None):
-    """Stand-in."""
-    output_dir = os.path.join(args.output_dir, sub_folder)
-    _dsfix_save_hf_format(model, tokenizer, output_dir, max_shard_size=max_shard_size, strategy=strategy)
-
-
-def save_zero_three_model_safetensors(model_ema, global_rank, save_dir, zero_stage=0, *, max_shard_size=None, strategy=None):
-    """Stand-in."""
-    _dsfix_save_zero_three_model(model_ema, save_dir, global_rank=global_rank, zero_stage=zero_stage, max_shard_size=max_shard_size, strategy=strategy)
-
-
-def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_shard_size=None, strategy=None):
-    return json.dumps([sys.byteorder, str(torch), str(safe_open), output_dir, global_rank, max_shard_size, strategy])
-
-
-def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3, tokenizer=None,
-                                 max_shard_size=None, strategy=None):
-    return _dsfix_save_hf_format(model, tokenizer, save_dir, global_rank, max_shard_size, strategy)
-'''
-TEMPLATES = {strategy: parse_template(STAND_IN, strategy) for strategy in ("clone", "dedupe")}
-
-
 def _roundtrip_main(src: bytes):
-    res = transforms.patch_main(src, (MOD, "utils.utils"), UPSTREAM_DEFS)
-    new = res.new
+    modules = (MOD, "utils.utils")
+    new = fix("script", src, modules).new
     compile(new, "main.py", "exec")
-    again = transforms.patch_main(new, (MOD, "utils.utils"), UPSTREAM_DEFS)
-    assert again.new is None or again.new == new, "a second patch changes nothing"
+    assert fix("script", new, modules).new == new, "a second patch changes nothing"
     assert b"save_hf_format_safetensors" in new
     assert pyflakes_messages(new) <= pyflakes_messages(src), (pyflakes_messages(new) - pyflakes_messages(src))
-    back = transforms.unpatch_main(new, (MOD, "utils.utils")).new
-    assert back == src
+    assert undo("script", new, modules) == src
     return new
 
 
@@ -179,25 +136,15 @@ def utils_sources(draw):
     return text.encode()
 
 
-def _roundtrip_utils(src: bytes, tpl, strategy: str):
-    new = transforms.patch_utils(src, cst.parse_module(src), tpl, strategy).new
-    compile(new, "utils.py", "exec")
-    assert new.count(b"def save_hf_format_safetensors(") == 1
-    assert transforms.patch_utils(new, cst.parse_module(new), tpl, strategy).new == new, "a second patch changes nothing"
-    assert pyflakes_messages(new) <= pyflakes_messages(src), pyflakes_messages(new) - pyflakes_messages(src)
-    assert transforms.unpatch_utils(cst.parse_module(new)).bytes == src
-
-
 @SETTINGS
 @given(utils_sources(), st.sampled_from(["clone", "dedupe"]))
 def test_generated_utils_py_forms(src, strategy):
-    _roundtrip_utils(src, TEMPLATES[strategy], strategy)
-
-
-@settings(max_examples=int(15 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(utils_sources(), st.sampled_from(["clone", "dedupe"]))
-def test_generated_utils_py_forms_with_the_real_template(src, strategy):
-    _roundtrip_utils(src, load_template(strategy), strategy)
+    new = fix("utils", src, strategy=strategy).new
+    compile(new, "utils.py", "exec")
+    assert new.count(b"def save_hf_format_safetensors(") == 1
+    assert fix("utils", new, strategy=strategy).new == new, "a second patch changes nothing"
+    assert pyflakes_messages(new) <= pyflakes_messages(src), pyflakes_messages(new) - pyflakes_messages(src)
+    assert undo("utils", new) == src
 
 
 MAIN_BASE = (FIXTURES / "package" / "training/step1_supervised_finetuning/main.py").read_bytes()
@@ -223,16 +170,15 @@ def corrupted(draw):
 def _targets(role: str, data: bytes) -> list:
     if role == "utils":
         return [Target("f.py", "utils", data)]
-    return [Target("utils.py", "utils", UTILS_BASE), Target("f.py", "step1", data, (MOD,))]
+    return [Target("utils.py", "utils", UTILS_BASE), Target("f.py", "script", data, 1, (MOD,))]
 
 
 @settings(max_examples=int(400 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(corrupted())
 def test_corrupted_inputs_are_patched_validly_or_refused_cleanly(case):
     role, data = case
-    tpl = TEMPLATES["clone"]
     try:
-        plan = planner.plan_apply(_targets(role, data), tpl, "clone", verify=True)
+        plan = planner.plan_apply(_targets(role, data), "clone", verify=True)
     except DsfixError as e:
         assert e.path == "f.py" and e.code == 2 and str(e)
         return
@@ -240,6 +186,6 @@ def test_corrupted_inputs_are_patched_validly_or_refused_cleanly(case):
     if not change.changed:
         return
     compile(change.new, "f.py", "exec")
-    again = planner.plan_apply(_targets(role, change.new), tpl, "clone")
+    again = planner.plan_apply(_targets(role, change.new), "clone")
     assert not next(c for c in again.changes if c.rel == "f.py").changed
-    assert planner.unpatch(change.new, "f.py", "utils" if role == "utils" else "step1", (MOD,)) == data
+    assert undo("utils" if role == "utils" else "script", change.new) == data

@@ -265,7 +265,7 @@ def test_rank_env_is_cpu_gloo_on_loopback():
     assert 0 < free_port() < 65536
 
 
-def test_demo_files_and_its_summary_of_the_change(tmp_path):
+def test_demo_files_and_its_summary_of_the_change(tmp_path, capsys):
     from patcher.demo import DEMO_CHECKOUT, demo_checkout_source, run_demo, show_changes
     from patcher.patch import flow
 
@@ -274,7 +274,9 @@ def test_demo_files_and_its_summary_of_the_change(tmp_path):
     co = shutil.copytree(source, tmp_path / "DeepSpeed-Chat")
     out = io.StringIO()
     show_changes(Console(file=out, width=200), co, flow.check(co))
-    assert "dschat/utils/utils.py: +" in out.getvalue() and "save_hf_format_safetensors" in out.getvalue()
+    assert "dschat/utils/dsfix_safetensors.py: a new file of" in out.getvalue()
+    diff = capsys.readouterr().out
+    assert "+def save_hf_format_safetensors(" in diff and "+            save_hf_format_safetensors(model" in diff
     with pytest.raises(DsfixError) as e:  # --keep: a folder that holds a checkout already
         run_demo(Console(file=io.StringIO()), keep=tmp_path)
     assert e.value.message.endswith("already exists; pick an empty --keep folder")

@@ -38,13 +38,13 @@ def forbidden(module: str) -> bool:
     return any(module == f or module.startswith(f + ".") for f in FORBIDDEN)
 
 
-PATCH_FILES = sorted(PATCHER.glob("patch/*.py"))
+PATCH_FILES = sorted(PATCHER.glob("patch/**/*.py"))
 
 
 def test_every_patch_module_is_checked():
-    names = {p.stem for p in PATCH_FILES}
-    assert {"locate", "resolve", "calls", "signature", "transforms", "plan", "state", "diff", "template", "names",
-            "flow"} <= names
+    names = {p.relative_to(PATCHER / "patch").with_suffix("").as_posix() for p in PATCH_FILES}
+    assert {"locate", "resolve", "calls", "signature", "imports", "source", "plan", "state", "diff", "template",
+            "names", "flow", "fixers/base", "fixers/script", "fixers/utils", "fixers/module", "fixers/loader"} <= names
 
 
 @pytest.mark.parametrize("path", PATCH_FILES, ids=[p.name for p in PATCH_FILES])

@@ -30,8 +30,6 @@ FOUND = [
      (".", "package", "dschat/utils/utils.py", STEP1, "dschat.utils.utils")),
     ("package layout, from the step-1 folder", PACKAGE, "training/step1_supervised_finetuning",
      (".", "package", "dschat/utils/utils.py", STEP1, "dschat.utils.utils")),
-    ("package layout, from a file in it", PACKAGE, STEP1,
-     (".", "package", "dschat/utils/utils.py", STEP1, "dschat.utils.utils")),
     ("legacy layout (training/utils)", LEGACY, ".",
      (".", "legacy", "training/utils/utils.py", STEP1, "utils.utils")),
     ("a DeepSpeedExamples clone: applications/DeepSpeed-Chat", under("applications/DeepSpeed-Chat", PACKAGE), ".",
@@ -76,7 +74,8 @@ REFUSED = [
      "imports neither save_hf_format nor a module that defines it"),
     ("step 1 imports a module that is not there", {**PACKAGE, STEP1: "from nowhere.utils import save_hf_format\n"},
      ".", "main.py:1: no import resolves to a utils.py that defines save_hf_format: nowhere.utils"),
-    ("step 1 does not parse", {**PACKAGE, STEP1: "def (:\n"}, ".", "does not parse"),
+    ("step 1 does not parse", {**PACKAGE, STEP1: "def (:\n"}, ".", "main.py:1: does not parse: invalid syntax"),
+    ("a file where a folder goes", PACKAGE, STEP1, "main.py: is a file, not a folder; pass the folder that holds it"),
 ]
 
 

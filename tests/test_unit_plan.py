@@ -7,7 +7,7 @@ import pytest
 
 from patcher.patch import plan
 from patcher.patch.plan import Saved, Status, Target
-from unitkit import UPSTREAM_SAVE, stand_in
+from unitkit import UPSTREAM_SAVE, fix
 
 
 def lines(*items) -> bytes:
@@ -52,12 +52,12 @@ UTILS = ("import os\nimport torch\n\n\n" + UPSTREAM_SAVE + "\n\ndef other():\n  
 
 @pytest.fixture(scope="module")
 def utils_patched() -> bytes:
-    return plan.patch_file(Target("utils.py", "utils", UTILS), stand_in(), "clone")[0]
+    return fix("utils", UTILS).new
 
 
 def saved_for(rel: str, role: str, original: bytes, patched: bytes) -> Saved:
     entry = {"role": role, "original_sha256": plan.sha256(original), "patched_sha256": plan.sha256(patched),
-             "template": 2, "strategy": "clone", "modules": list(MODULES) if role != "utils" else []}
+             "strategy": "clone", "modules": list(MODULES) if role != "utils" else []}
     return Saved({rel: entry}, {(rel, "original"): original, (rel, "patched"): patched}, "main.py")
 
 
@@ -67,9 +67,9 @@ def edit_line(data: bytes, old: bytes, new: bytes) -> bytes:
 
 
 def edit_block(data: bytes) -> bytes:
-    """An edit inside dsfix's block: a line added to the start of save_hf_format_safetensors."""
+    """An edit inside dsfix's block: a line added after save_hf_format_safetensors' docstring."""
     at = data.index(b"\ndef save_hf_format_safetensors(")
-    at = data.index(b"\n", at + 1) + 1
+    at = data.index(b'"""\n', at) + 4
     return data[:at] + b"    edited = True\n" + data[at:]
 
 
@@ -89,7 +89,7 @@ SCRIPT_REVERTS = [
 @pytest.mark.parametrize("current, status, new", [r[1:] for r in SCRIPT_REVERTS], ids=[r[0] for r in SCRIPT_REVERTS])
 def test_revert_a_script_with_the_state_folder(current, status, new):
     saved = saved_for("main.py", "step1", MAIN, MAIN_PATCHED)
-    decided = plan.plan_revert([Target("main.py", "step1", current, MODULES)], saved, False, stand_in)
+    decided = plan.plan_revert([Target("main.py", "script", current, 1, MODULES)], saved, False)
     (result,) = decided.results
     assert (result.status, result.new) == (status, new)
     assert decided.refused == ((result,) if status == Status.REFUSED else ())
@@ -99,7 +99,7 @@ def test_revert_utils_restores_merges_or_refuses(utils_patched):
     saved = saved_for("utils.py", "utils", UTILS, utils_patched)
 
     def decide(current, force=False):
-        return plan.plan_revert([Target("utils.py", "utils", current)], saved, force, stand_in)
+        return plan.plan_revert([Target("utils.py", "utils", current)], saved, force)
 
     (r,) = decide(utils_patched).results
     assert (r.status, r.new) == (Status.RESTORED, UTILS)
@@ -108,7 +108,8 @@ def test_revert_utils_restores_merges_or_refuses(utils_patched):
     assert (r.status, r.new) == (Status.MERGED, edit_line(UTILS, b"    return 1\n", b"    return 2\n"))
     inside = edit_block(utils_patched)
     decided = decide(inside)
-    assert [(r.status, r.new, r.reason) for r in decided.results] == [(Status.REFUSED, None, plan._OVERLAP)]
+    assert [(r.status, r.new) for r in decided.results] == [(Status.REFUSED, None)]
+    assert decided.results[0].reason == "edited after apply where dsfix changed it"
     assert decided.refused == decided.results
     forced = decide(inside, force=True)  # --force: the original back, the user's version kept beside it
     (r,) = forced.results
@@ -117,8 +118,8 @@ def test_revert_utils_restores_merges_or_refuses(utils_patched):
 
 def test_revert_without_the_state_folder(utils_patched):
     def decide(utils, main, force=False):
-        targets = [Target("utils.py", "utils", utils), Target("main.py", "step1", main, MODULES)]
-        return [(r.status, r.new) for r in plan.plan_revert(targets, None, force, stand_in).results]
+        targets = [Target("utils.py", "utils", utils), Target("main.py", "script", main, 1, MODULES)]
+        return [(r.status, r.new) for r in plan.plan_revert(targets, None, force).results]
 
     assert decide(utils_patched, MAIN_PATCHED) == [(Status.STRUCTURAL, UTILS), (Status.STRUCTURAL, MAIN)]
     # no dsfix block in utils.py: the scripts' calls of dsfix's names are someone's hand edit, left alone
@@ -131,5 +132,5 @@ def test_revert_without_the_state_folder(utils_patched):
 def test_apply_over_an_edited_patch_keeps_the_users_edits_in_the_original():
     saved = saved_for("main.py", "step1", MAIN, MAIN_PATCHED)
     edited = edit_line(MAIN_PATCHED, b"x = 1", b"x = 2")
-    assert plan.original_under_edits(saved, "main.py", edited, MODULES) == edit_line(MAIN, b"x = 1", b"x = 2")
-    assert plan.original_under_edits(saved, "main.py", MAIN_PATCHED, MODULES) == MAIN
+    assert plan.original_under_edits(saved, saved.target("main.py", edited)) == edit_line(MAIN, b"x = 1", b"x = 2")
+    assert plan.original_under_edits(saved, saved.target("main.py", MAIN_PATCHED)) == MAIN

@@ -7,7 +7,6 @@ import pytest
 
 from patcher.patch import plan
 from patcher.patch.plan import Saved, Status, Target
-from unitkit import stand_in
 
 A, A2, B, B2 = b"a = 1\n", b"a = 2\n", b"b = 1\n", b"b = 2\n"
 
@@ -18,7 +17,7 @@ def saved(**files) -> Saved:
     for key, (role, original, patched) in files.items():
         rel = key.replace("_", "/") + ".py"
         entries[rel] = {"role": role, "original_sha256": plan.sha256(original), "patched_sha256": plan.sha256(patched),
-                        "template": 7, "strategy": "clone", "modules": ["m"] if role != "utils" else []}
+                        "strategy": "clone", "modules": ["m"] if role != "utils" else []}
         blobs[(rel, "original")], blobs[(rel, "patched")] = original, patched
     return Saved(entries, blobs)
 
@@ -26,9 +25,9 @@ def saved(**files) -> Saved:
 TARGETS = [  # (name, state folder, found in the checkout, expected [(rel, role, modules)])
     ("the state folder decides, by path", saved(z_main=("step1", A, A2), utils=("utils", B, B2)),
      [("other.py", "step1", ("x",))], [("utils.py", "utils", ()), ("z/main.py", "step1", ("m",))]),
-    ("without it: utils first, then as found", None,
+    ("without it: as found", None,
      [("main.py", "step1", ["m"]), ("lib/utils.py", "utils", ()), ("loader.py", "loader", ())],
-     [("lib/utils.py", "utils", ()), ("main.py", "step1", ("m",)), ("loader.py", "loader", ())]),
+     [("main.py", "step1", ("m",)), ("lib/utils.py", "utils", ()), ("loader.py", "loader", ())]),
     ("a file found twice is read once", None,
      [("u.py", "utils", ()), ("main.py", "step1", ("m",)), ("main.py", "step1", ("m",))],
      [("u.py", "utils", ()), ("main.py", "step1", ("m",))]),
@@ -54,8 +53,8 @@ WRITES = [  # (name, main.py now, utils.py now, force, writes, restored)
 @pytest.mark.parametrize("main, utils, force, writes, restored", [w[1:] for w in WRITES], ids=[w[0] for w in WRITES])
 def test_plan_revert_writes_and_restored(main, utils, force, writes, restored):
     state = saved(main=("step1", A, A2), utils=("utils", B, B2))
-    targets = [Target("main.py", "step1", main, ("m",)), Target("utils.py", "utils", utils)]
-    decided = plan.plan_revert(targets, state, force, stand_in)
+    targets = [Target("main.py", "script", main, 1, ("m",)), Target("utils.py", "utils", utils)]
+    decided = plan.plan_revert(targets, state, force)
     assert list(decided.writes) == writes and list(decided.restored) == restored
     if decided.refused:
         assert decided.writes == () and decided.refused[0].status == Status.REFUSED

@@ -79,16 +79,16 @@ def test_bind_refuses_a_call_that_cannot_bind(header, call, message):
 HEADERS = [
     # (the checkout's def, the header of dsfix's replacement): the same parameters, plus dsfix's keyword-only
     # options where the checkout's do not already take them
-    (UPSTREAM, "def new(model, tokenizer, args, sub_folder='', *, max_shard_size=None, strategy=None):"),
-    (Z3, "def new(model_ema, global_rank, save_dir, zero_stage=0, *, max_shard_size=None, strategy=None):"),
+    (UPSTREAM, "def new(model, tokenizer, args, sub_folder='', *, strategy=None, max_shard_size=None):"),
+    (Z3, "def new(model_ema, global_rank, save_dir, zero_stage=0, *, strategy=None, max_shard_size=None):"),
     ("def save_hf_format(model, /, tokenizer, args):",
-     "def new(model, /, tokenizer, args, *, max_shard_size=None, strategy=None):"),
+     "def new(model, /, tokenizer, args, *, strategy=None, max_shard_size=None):"),
     ("def save_hf_format(model, tokenizer, *, args, sub_folder=''):",
-     "def new(model, tokenizer, *, args, sub_folder='', max_shard_size=None, strategy=None):"),
+     "def new(model, tokenizer, *, args, sub_folder='', strategy=None, max_shard_size=None):"),
     ("def save_hf_format(model, *extra, args):",
-     "def new(model, *extra, args, max_shard_size=None, strategy=None):"),
+     "def new(model, *extra, args, strategy=None, max_shard_size=None):"),
     ("def save_hf_format(model, tokenizer, args, **kwargs):",
-     "def new(model, tokenizer, args, *, max_shard_size=None, strategy=None, **kwargs):"),
+     "def new(model, tokenizer, args, *, strategy=None, max_shard_size=None, **kwargs):"),
     ("def save_hf_format(model, tokenizer, args, *, strategy='x'):",
      "def new(model, tokenizer, args, *, strategy='x', max_shard_size=None):"),
 ]
