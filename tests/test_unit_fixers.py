@@ -136,6 +136,7 @@ SAFE_ROUTES = [
     "import dschat.utils.utils as u\nu.save_hf_format(m, t, a)\nu.print_rank_0('x')\n",
     "from dschat.utils.utils import save_hf_format\nsave_hf_format(m, t, a)\ndef f(utils):\n    return utils\n",
     "import dschat.data as d\nfrom dschat.utils.utils import save_hf_format\nsave_hf_format(m, t, a)\ng(d)\n",
+    "import dschat.utils.utils as u\nu.VERBOSE = True\nu.save_hf_format(m, t, a)\n",
 ]
 
 

@@ -504,42 +504,52 @@ def module_reads(text: str, names) -> dict:
     return counts
 
 
-def module_routes(tree: ast.Module, modules, names) -> list:
+def module_routes(tree: ast.Module, text: str, modules, names) -> list:
     """[(line, why)]: where a script can still reach the functions ``names`` of the utils module (dotted
     ``modules``) by a route that renaming calls does not cover: the module object itself (or a package above
     it) used as a value (passed on, stored, returned, given to getattr), an attribute ``names`` of it, or the
     module's name in a string (``importlib.import_module``, ``sys.modules``)."""
+    above = {".".join(m.split(".")[:i]) for m in modules for i in range(1, len(m.split(".")) + 1)}
+    binds_module = any(q in above for node in statements(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                       for _bound, q in imports.bindings(node))
+    if not binds_module and not any(m in text for m in modules):
+        return []  # no import of the module as an object, no string naming it: no route to look for
     binder = _Binder(tree)
     binder.visit(tree)
-    routes = _Routes(binder, tree, tuple(modules), tuple(names))
+    routes = _Routes(binder, tree, tuple(modules), tuple(names), above)
     routes.visit(tree)
     return sorted(set(routes.found))
 
 
 class _Routes(_Uses):
-    def __init__(self, binder, tree, modules, names):
-        super().__init__(binder, tree, {}, set(), set())
-        self.modules, self.names, self.found = modules, names, []
-        self.above = {".".join(m.split(".")[:i]) for m in modules for i in range(1, len(m.split(".")) + 1)}
-        self.parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    """Walks the tree with the scope stack (see _Uses) and records each route to the module's originals."""
 
-    def visit_Name(self, node):
-        if not isinstance(node.ctx, ast.Load):
-            return
-        for q in self._qualified(node.id):
+    def __init__(self, binder, tree, modules, names, above):
+        super().__init__(binder, tree, {}, set(), set())
+        self.modules, self.names, self.above, self.found = modules, names, above, []
+
+    def _reach(self, base: ast.Name, attrs: list, line: int) -> None:
+        for q in self._qualified(base.id):
             if q not in self.above:
                 continue
-            top, attrs = node, []
-            while isinstance(self.parents.get(id(top)), ast.Attribute) and self.parents[id(top)].value is top:
-                top = self.parents[id(top)]
-                attrs.append(top.attr)
-            full = ".".join([q, *attrs])
-            shown = ".".join([node.id, *attrs])
+            full, shown = ".".join([q, *attrs]), ".".join([base.id, *attrs])
             if full in self.above:
-                self.found.append((node.lineno, f"uses the module {shown} as a value (passed on, stored or given "
-                                                "to getattr), so its original save functions stay within reach"))
+                self.found.append((line, f"uses the module {shown} as a value (passed on, stored or given to "
+                                         "getattr), so its original save functions stay within reach"))
             elif any(full == f"{m}.{n}" for m in self.modules for n in self.names):
-                self.found.append((node.lineno, f"{shown} still refers to the original save function"))
+                self.found.append((line, f"{shown} still refers to the original save function"))
+
+    def visit_Attribute(self, node):
+        base, attrs = _chain(node)
+        if base is None:
+            return self.generic_visit(node)
+        if isinstance(node.ctx, ast.Load):  # the whole chain at once: its inner names are not values
+            self._reach(base, attrs, node.lineno)
+        # setting or deleting an attribute of the module passes nothing on (an original's name: calls' refusal)
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Load):
+            self._reach(node, [], node.lineno)
 
     def visit_Constant(self, node):
         if isinstance(node.value, str) and node.value in self.modules:

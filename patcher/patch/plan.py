@@ -51,7 +51,7 @@ class Saved:
     """The state folder's content: an entry per patched file and the original and patched bytes (an original
     None: the file did not exist before apply, as the save module)."""
 
-    entries: dict  # rel -> {"role", "original_sha256", "patched_sha256", "modules", "template", "strategy"}
+    entries: dict  # rel -> {"role", "original_sha256", "patched_sha256", "modules", "strategy"}
     blobs: dict  # (rel, "original" | "patched") -> bytes or None
     main: str | None = None  # the step-1 script and the further ones patched, so that later runs need no
     scripts: tuple = ()  # --main or --script again

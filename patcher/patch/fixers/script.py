@@ -280,8 +280,8 @@ class ScriptFixer(Fixer):
         return res
 
     def guard(self, target: Target, new: bytes | None, ctx: Context) -> None:
-        tree = parse_script(new, target.rel)[0]
-        routes = calls.module_routes(tree, target.modules, SAVE_NAMES)
+        tree, decoded = parse_script(new, target.rel)
+        routes = calls.module_routes(tree, decoded.text, target.modules, SAVE_NAMES)
         if routes:
             line, why = routes[0]
             more = f" (and {len(routes) - 1} more)" if len(routes) > 1 else ""
