@@ -11,7 +11,7 @@ from pathlib import Path
 from patcher.patch import plan as planner
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
-from patcher.errors import OK, PENDING, DsfixError, shown
+from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch.locate import Checkout, find_checkout, find_patched, layout_of
 from patcher.patch.plan import Status, Target
 from patcher.patch.template import check_strategy

@@ -151,10 +151,8 @@ class Lines:
 class _Slicer:
     """Backward slice of a block for the names ``needed`` after it (see read_folder)."""
 
-    def __init__(self, fn_name: str, aliases: dict, params: set):
-        self.fn = fn_name
+    def __init__(self, aliases: dict):
         self.aliases = aliases
-        self.params = params
         self.carried = set()
         self.read_at = {}  # name -> the node that first needed it (for messages)
 
@@ -481,7 +479,7 @@ def read_folder(fn: cst.FunctionDef, body: list, params: set, aliases: dict, lin
         raise DsfixError(f"cannot tell which folder {name} writes to (no os.makedirs, no folder joined with a "
                          "file name, no save_pretrained); dsfix will not guess", path=rel, line=lines.def_line)
     aliases = {"os": "os", **aliases}  # the module dsfix's own block imports, when the fork's does not
-    slicer = _Slicer(name, aliases, params)
+    slicer = _Slicer(aliases)
     try:
         slicer.pure(folder, body[at])
         needed = slicer._need(reads(folder), body[at], set())

@@ -87,14 +87,14 @@ class Checkout:
 
     def loader_path(self) -> Path | None:
         """The file that defines create_critic_model: model/model_utils.py beside utils.py in both layouts."""
-        for p in (self.utils_path.parent / "model" / "model_utils.py",):
-            try:
-                if b"def create_critic_model(" in p.read_bytes():
-                    check_inside(self.root, p)
-                    return p
-            except OSError:
-                continue
-        return None
+        p = self.utils_path.parent / "model" / "model_utils.py"
+        try:
+            defines = b"def create_critic_model(" in p.read_bytes()
+        except OSError:
+            return None
+        if defines:
+            check_inside(self.root, p)
+        return p if defines else None
 
 
 def layout_of(saved, co: "Checkout | None") -> str:
