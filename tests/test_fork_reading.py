@@ -12,7 +12,6 @@ import ast
 import inspect
 import textwrap
 
-import libcst as cst
 import pytest
 
 from patcher.errors import DsfixError
@@ -94,7 +93,7 @@ TAIL = ("    os.makedirs(output_dir, exist_ok=True)\n"
 
 def _read(body: str, params: str = "model, tokenizer, args=None, sub_folder='', save_dir=None", tail: str = TAIL):
     src = HEAD + f"def save_hf_format({params}):\n" + textwrap.indent(textwrap.dedent(body), "    ") + tail
-    return signature.find_defs(cst.parse_module(src), "utils.py", src.encode())["save_hf_format"]
+    return signature.find_defs(src.encode(), "utils.py")["save_hf_format"]
 
 
 FOLDERS = [  # (the function's body before its makedirs, the statements carried or the refusal's words)
@@ -323,7 +322,7 @@ def test_every_use_of_the_save_functions_is_rewritten_or_refused(src, expected):
 def test_a_stored_save_refused_when_dsfix_would_take_keywords_the_fork_passed_on():
     src = HEAD + ("def save_hf_format(model, tokenizer, args, **kw):\n" + TAIL.replace("output_dir, exist_ok", "args.x, "
                   "exist_ok").replace("os.path.join(output_dir", "os.path.join(args.x"))
-    defs = signature.find_defs(cst.parse_module(src), "utils.py", src.encode())
+    defs = signature.find_defs(src.encode(), "utils.py")
     script = f"from {MOD} import save_hf_format\nhelper(save_hf_format)\n".encode()
     with pytest.raises(DsfixError, match="used as a value"):
         fix("script", script, defs=defs)

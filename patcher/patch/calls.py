@@ -509,16 +509,29 @@ def module_routes(tree: ast.Module, text: str, modules, names) -> list:
     ``modules``) by a route that renaming calls does not cover: the module object itself (or a package above
     it) used as a value (passed on, stored, returned, given to getattr), an attribute ``names`` of it, or the
     module's name in a string (``importlib.import_module``, ``sys.modules``)."""
-    above = {".".join(m.split(".")[:i]) for m in modules for i in range(1, len(m.split(".")) + 1)}
-    binds_module = any(q in above for node in statements(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                       for _bound, q in imports.bindings(node))
-    if not binds_module and not any(m in text for m in modules):
-        return []  # no import of the module as an object, no string naming it: no route to look for
+    if not may_reach(tree, text, modules):
+        return []
+    above = _above(modules)
     binder = _Binder(tree)
     binder.visit(tree)
     routes = _Routes(binder, tree, tuple(modules), tuple(names), above)
     routes.visit(tree)
     return sorted(set(routes.found))
+
+
+def _above(modules) -> set:
+    """The modules and every package above them: ``dschat``, ``dschat.utils``, ``dschat.utils.utils``."""
+    return {".".join(m.split(".")[:i]) for m in modules for i in range(1, len(m.split(".")) + 1)}
+
+
+def may_reach(tree: ast.Module, text: str, modules) -> bool:
+    """Whether a script could hold a route to the module object at all: an import binds the module (or a
+    package above it), or a string names it. Renaming calls changes neither."""
+    above = _above(modules)
+    if any(q in above for node in statements(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+           for _bound, q in imports.bindings(node)):
+        return True
+    return any(f"{q}{m}{q}" in text for m in modules for q in "'\"")
 
 
 class _Routes(_Uses):

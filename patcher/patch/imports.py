@@ -98,45 +98,47 @@ def top_import(stmt) -> cst.BaseSmallStatement | None:
     return None
 
 
-def module_aliases(module: cst.Module) -> dict:
-    """bound name -> qualified name for a module's top-level imports (``osp`` -> ``os.path``)."""
-    out = {}
-    for stmt in module.body:
-        if not isinstance(stmt, cst.SimpleStatementLine):
-            continue
-        for small in stmt.body:
-            if isinstance(small, cst.Import):
-                for a in small.names:
-                    name = alias_name(a) or ""
-                    if a.asname is not None and isinstance(a.asname.name, cst.Name):
-                        out[a.asname.name.value] = name
-                    else:
-                        out[name.split(".")[0]] = name.split(".")[0]
-            elif from_module(small) is not None:
-                for a in small.names:
-                    out[bound_name(a)] = f"{from_module(small)}.{alias_name(a)}"
-    return out
+def module_aliases(tree: ast.Module) -> dict:
+    """bound name -> qualified name for a module's top-level absolute imports (``osp`` -> ``os.path``)."""
+    return {bound: q for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            for bound, q in bindings(node) if q is not None}
 
 
-def binds(module: cst.Module, name: str) -> bool:
-    """Whether ``module`` binds ``name`` at its top level in some other way than a def: an import (a star
-    import may bring it), an assignment, a class."""
-    for stmt in module.body:
-        small = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt]
-        for node in small:
-            if isinstance(node, cst.ImportFrom) and isinstance(node.names, cst.ImportStar):
-                return True
-            if isinstance(node, (cst.Import, cst.ImportFrom)):
-                if any(bound_name(a) == name for a in node.names if isinstance(bound_name(a), str)):
+def binds(tree: ast.Module, name: str, segment) -> bool:
+    """Whether a module binds ``name`` at its top level in some other way than a def: an import (a star import
+    may bring it), an assignment, a class, or anything under an if or a try that mentions it (dsfix cannot
+    tell, so it does not refuse). ``segment(node)``: a statement's source text."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(b == name for b, _q in bindings(node)):
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return True
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return True
+        if isinstance(node, (ast.If, ast.Try)) and name in segment(node):
+            return True
+    return False
+
+
+def present_in(tree: ast.Module, spec: ImportSpec) -> bool:
+    """``present`` on ``ast``: whether the module imports ``spec`` (without an alias) at module level, in any
+    if/try/with/loop block."""
+    blocks = [tree.body]
+    while blocks:
+        for node in blocks.pop():
+            if isinstance(node, ast.Import) and spec.name is None:
+                if any(a.name == spec.module and a.asname is None for a in node.names):
                     return True
-            if isinstance(node, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
-                targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
-                if any(isinstance(t, cst.Name) and t.value == name for t in targets):
+            if isinstance(node, ast.ImportFrom) and spec.name is not None and not node.level:
+                if node.module == spec.module and any(a.name == spec.name and a.asname is None for a in node.names):
                     return True
-            if isinstance(node, cst.ClassDef) and node.name.value == name:
-                return True
-            if isinstance(node, (cst.If, cst.Try)) and name in cst.Module(body=[node]).code:
-                return True  # defined under a condition: dsfix cannot tell, so it does not refuse
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                blocks += [getattr(node, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(node, f, None), list)]
+                blocks += [h.body for h in getattr(node, "handlers", ())]
     return False
 
 

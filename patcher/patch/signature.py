@@ -127,6 +127,10 @@ def _body(fn: cst.FunctionDef) -> list:
     return body
 
 
+_SAVING = frozenset({"save", "save_file", "save_model", "save_checkpoint", "save_pretrained", "to_json_file",
+                     "save_vocabulary"})  # the calls _writes reads
+
+
 def _writes(fn: ast.FunctionDef) -> frozenset:
     """What the function saves: a subset of {"weights", "config", "tokenizer"}, read with ast (a libcst pass
     over the body costs ten times more)."""
@@ -136,6 +140,8 @@ def _writes(fn: ast.FunctionDef) -> frozenset:
             continue
         func = node.func
         method = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if method not in _SAVING:
+            continue
         receiver = ast.unparse(func.value).lower() if isinstance(func, ast.Attribute) else ""
         first = ast.unparse(node.args[0]) if node.args else ""
         if method in ("save", "save_file", "save_model", "save_checkpoint") and "args" not in first or (
@@ -257,24 +263,27 @@ def default_def(name: str) -> SaveDef:
     return dataclasses.replace(d, line=0, notes=(), default=True)
 
 
-def find_defs(module: cst.Module, rel: str, data: bytes = b"") -> dict:
-    """name -> SaveDef for the save functions ``module`` defines at top level (upstream's when missing)."""
-    found = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef) and s.name.value in RENAMES}
-    try:
-        tree = src.parse(data)[0] if data else None
-    except (SyntaxError, UnicodeDecodeError, LookupError, ValueError):
-        tree = None
-    nodes = {n.name: n for n in (tree.body if tree else ()) if isinstance(n, ast.FunctionDef)}
-    text = src.Source(src.parse(data)[1].text) if tree else None
-    aliases = imports.module_aliases(module) if found else {}
+def find_defs(data: bytes, rel: str) -> dict:
+    """name -> SaveDef for the save functions a utils.py defines at top level (upstream's when it lacks one).
+    Python finds them; libcst parses each function's own text only."""
+    tree, decoded = src.parse_script(data, rel)
+    text = src.Source(decoded.text)
+    found = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in RENAMES}
+    aliases = imports.module_aliases(tree) if found else {}
     out = {}
     for name in RENAMES:
-        if name in found:
-            fn_ast = nodes.get(name)
-            out[name] = read_def(found[name], rel, fn_ast.lineno if fn_ast else None, fn_ast, text, aliases)
+        fn_ast = found.get(name)
+        if fn_ast is not None:
+            out[name] = read_def(function_node(text, fn_ast), rel, fn_ast.lineno, fn_ast, text, aliases)
         else:
-            out[name] = dataclasses.replace(default_def(name), missing=not imports.binds(module, name))
+            out[name] = dataclasses.replace(default_def(name), missing=not imports.binds(tree, name, text.segment))
     return out
+
+
+def function_node(text: src.Source, fn_ast: ast.FunctionDef) -> cst.FunctionDef:
+    """libcst's node of a top-level function, parsed from its own lines (decorators included)."""
+    first = min([fn_ast.lineno, *(d.lineno for d in fn_ast.decorator_list)])
+    return cst.parse_module("".join(text.lines[first - 1:fn_ast.end_lineno])).body[0]
 
 
 # ----------------------------------------------------------------------------- generating dsfix's function

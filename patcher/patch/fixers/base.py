@@ -164,12 +164,17 @@ def placeholder() -> cst.SimpleStatementLine:
 
 def with_block(module: cst.Module, block: str) -> str:
     """The module's code with its placeholder statement replaced by ``block``."""
-    code = module.code
+    return put_block(module.code, module.default_newline, block)
+
+
+def put_block(code: str, newline: str, block: str) -> str:
+    """``code`` with its placeholder line replaced by ``block`` (which ends with a newline, unless the
+    placeholder ended the file without one)."""
     at = code.index(PLACEHOLDER)
     end = at + len(PLACEHOLDER)
-    if code.startswith(module.default_newline, end):
-        return code[:at] + block + code[end + len(module.default_newline):]
-    return code[:at] + block[: -len(module.default_newline)] + code[end:]  # the file ended without a newline
+    if code.startswith(newline, end):
+        return code[:at] + block + code[end + len(newline):]
+    return code[:at] + block[: -len(newline)] + code[end:]  # the file ended without a newline
 
 
 def in_style(text: str, module: cst.Module) -> str:

@@ -11,8 +11,7 @@ import libcst as cst
 from patcher.errors import DsfixError
 from patcher.patch import imports
 from patcher.patch.fixers.base import (Context, Fixer, Patched, Target, dsfix_text, find_marker, in_style,
-                                       make_marker, placeholder, with_block)
-from patcher.patch.fixers.utils import take_out
+                                       is_dsfix_statement, make_marker, placeholder, with_block)
 from patcher.patch.imports import ImportSpec
 from patcher.patch.names import dotted
 from patcher.patch.source import encode, parse_cst, render
@@ -58,8 +57,10 @@ def take_out_loader(module: cst.Module) -> cst.Module:
     if info is None:
         return module
     back = dict(pair.split(":", 1) for pair in (info.get("calls") or "").split(",") if ":" in pair)
-    new = take_out(module)
-    return new.with_changes(body=[s.visit(_LoaderCalls(back)) if _is_loader(s) else s for s in new.body])
+    body = [s.visit(_LoaderCalls(back)) if _is_loader(s) else s for s in module.body if not is_dsfix_statement(s)]
+    for token in filter(None, (info.get("added-imports") or "").split(",")):
+        body = imports.remove(body, ImportSpec.from_token(token))
+    return module.with_changes(body=body)
 
 
 class LoaderFixer(Fixer):

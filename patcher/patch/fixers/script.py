@@ -280,6 +280,9 @@ class ScriptFixer(Fixer):
         return res
 
     def guard(self, target: Target, new: bytes | None, ctx: Context) -> None:
+        tree, decoded = parse_script(target.data, target.rel)  # the imports, which the rename leaves as they bind
+        if not calls.may_reach(tree, decoded.text, target.modules):
+            return
         tree, decoded = parse_script(new, target.rel)
         routes = calls.module_routes(tree, decoded.text, target.modules, SAVE_NAMES)
         if routes:

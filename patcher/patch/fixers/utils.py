@@ -6,21 +6,28 @@ the options chosen at apply (the strategy, the fork's key filter).
 What an earlier dsfix inserted (the v2 and v3 inline blocks, about 320 lines) is taken out first, so an
 apply upgrades it in place; a hand-written ``save_hf_format_safetensors`` (the widely copied fix) is
 replaced where it stands, and the imports only it used are dropped.
+
+The file is edited as text at the places Python's ``ast`` gives (libcst parses only a statement it edits):
+every other character stays as it was. A top-level statement owns the lines from the end of the statement
+before it to its own last line (its leading blank lines and comments), and a function also owns the
+indented comments right after its body, as libcst counts them.
 """
 
 from __future__ import annotations
 
+import ast
+import io
 import re
+import tokenize
 
 import libcst as cst
 
 from patcher.errors import DsfixError
 from patcher.patch import calls, imports, signature
-from patcher.patch.fixers.base import (Context, Fixer, Patched, Target, defined_name, dsfix_text, find_marker,
-                                       in_style, is_dsfix_statement, make_marker, placeholder, with_block)
+from patcher.patch.fixers.base import PLACEHOLDER, Context, Fixer, Patched, Target, make_marker, parse_marker, put_block
 from patcher.patch.imports import ImportSpec
-from patcher.patch.names import SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES
-from patcher.patch.source import encode, parse_cst, render
+from patcher.patch.names import SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, is_dsfix_name
+from patcher.patch.source import Source, encode, newline_of, parse_script
 from patcher.patch.template import module_version
 
 DOCSTRINGS = {  # what the two wrappers say of themselves
@@ -38,70 +45,209 @@ MODULE_IMPORTS = {
             f"    import {SAVE_MODULE}",
 }
 _FORMS = {" ".join(text.split()): form for form, text in MODULE_IMPORTS.items()}
+_MARKER = re.compile(r"^#\s*dsfix:.*$", re.M)
 
 
-def import_form(ctx: Context, module: cst.Module) -> str:
+class _File:
+    """A utils.py as text, with the places of its top-level statements."""
+
+    def __init__(self, data: bytes, rel: str):
+        self.rel = rel
+        self.tree, decoded = parse_script(data, rel)
+        self.body, self.encoding = self.tree.body, decoded.encoding
+        self.src = Source(decoded.text)
+        self.text = decoded.text
+        self.newline = newline_of(self.text)
+        m = _MARKER.search(self.text)
+        self.marker = parse_marker(m.group(0)) if m else None
+
+    def again(self, text: str) -> "_File":
+        """The same file with new text (read anew)."""
+        return _File(encode(text, self.encoding, self.rel), self.rel)
+
+    def start(self, i: int) -> int:
+        """Where statement ``i``'s own lines begin (its first decorator)."""
+        stmt = self.body[i]
+        first = min([stmt.lineno, *(d.lineno for d in getattr(stmt, "decorator_list", ()))])
+        return self.src.starts[first - 1]
+
+    def end(self, i: int) -> int:
+        """Where statement ``i`` ends: after its last line, and, for a function or class, after the indented
+        comments that follow its body."""
+        stmt, last = self.body[i], self.body[i].end_lineno
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            indent = self._indent(stmt.body[0].lineno)
+            at = last
+            while at < len(self.src.lines) and (not self.src.lines[at].strip() or (
+                    self.src.lines[at].lstrip().startswith("#") and self._indent(at + 1).startswith(indent))):
+                at += 1
+                if self.src.lines[at - 1].strip():
+                    last = at
+        return self.src.starts[last]
+
+    def extent(self, i: int) -> tuple:
+        """(start, end) of statement ``i`` with the lines it owns above it (from the end of the one before)."""
+        return (self.end(i - 1) if i else self.start(i)), self.end(i)
+
+    def _indent(self, lineno: int) -> str:
+        line = self.src.lines[lineno - 1]
+        return line[:len(line) - len(line.lstrip(" \t"))]
+
+    def segment(self, i: int) -> str:
+        return self.text[self.start(i):self.end(i)]
+
+    def module_import(self, i: int) -> str | None:
+        """The form of the save module's import statement ``i`` is, if it is one."""
+        return _FORMS.get(" ".join(self.segment(i).split()))
+
+    def dsfix_statements(self) -> list:
+        return [i for i, s in enumerate(self.body) if _defined(s) is not None and is_dsfix_name(_defined(s))]
+
+    def default_indent(self) -> str:
+        """The file's indentation, as libcst infers it: its first indented block's."""
+        try:
+            for tok in tokenize.generate_tokens(io.StringIO(self.text).readline):
+                if tok.type == tokenize.INDENT:
+                    return tok.string
+        except (tokenize.TokenError, SyntaxError):  # pragma: no cover - the file parsed already
+            pass
+        return "    "
+
+
+def _defined(stmt) -> str | None:
+    """The name a top-level statement defines (a function, a class, ``NAME = ...``), else None."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return stmt.name
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+    return targets[0].id if len(targets) == 1 and isinstance(targets[0], ast.Name) else None
+
+
+def _spliced(text: str, edits: list) -> str:
+    """``text`` with each (start, end, new text) made; the edits do not overlap."""
+    for start, end, new in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        text = text[:start] + new + text[end:]
+    return text
+
+
+def import_form(ctx: Context, held: str | None) -> str:
     """Which import of the save module utils.py needs: from the dotted names the scripts import utils.py
     under, else the one the context names (a revert without the state folder), else the one the file holds."""
     dotted = any("." in m for m in ctx.modules)
     top = any("." not in m for m in ctx.modules)
     if dotted or top:
         return "both" if dotted and top else "relative" if dotted else "absolute"
-    return ctx.module_import or held_form(module) or "relative"
-
-
-def held_form(module: cst.Module) -> str | None:
-    """The form of the save module's import that the file holds, if any."""
-    return next((f for f in (_module_import(module, s) for s in module.body) if f is not None), None)
-
-
-def _module_import(module: cst.Module, stmt) -> str | None:
-    return _FORMS.get(" ".join(module.code_for_node(stmt).split()))
+    return ctx.module_import or held or "relative"
 
 
 def wrappers(defs: dict, strategy: str) -> str:
     return "\n\n".join(signature.generate(defs[name], DOCSTRINGS[name], strategy) for name in SAVE_NAMES)
 
 
-def take_out(module: cst.Module, keep_replaced: bool = False) -> cst.Module:
-    """The module without what dsfix inserted (any version): its statements, the save module's import and the
-    imports its marker line records as added."""
-    info = find_marker(module)
-    if info is None:
-        return module
+def _in_style(text: str, indent: str, newline: str) -> str:
+    """Code written with 4-space indents and "\\n" newlines, in a file's own indentation and newlines."""
+    if indent != "    ":
+        text = re.sub(r"(?m)^( +)", lambda m: indent * (len(m.group(1)) // 4) + " " * (len(m.group(1)) % 4), text)
+    return text.replace("\n", newline)
+
+
+# ----------------------------------------------------------------------------- taking dsfix's code out
+
+
+def _import_edit(f: _File, i: int, names: set) -> tuple:
+    """(start, end, new text) removing the imported ``names`` (bound names) from import statement ``i``: the
+    whole statement with the lines it owns, or, where it imports other names too, those names only."""
+    node = f.body[i]
+    bound = [b for b, _q in imports.bindings(node)]
+    if all(b in names for b in bound):
+        return (*f.extent(i), "")
+    stmt = cst.parse_statement(f.segment(i))
+    small = stmt.body[0]
+    kept = list(small.names)
+    for k in reversed(range(len(kept))):
+        if imports.bound_name(kept[k]) in names:
+            kept = imports.remove_alias(kept, k)
+    new = cst.Module([stmt.with_changes(body=[small.with_changes(names=kept)])]).code
+    return f.start(i), f.end(i), new
+
+
+def _recorded_import(f: _File, spec: ImportSpec) -> tuple | None:
+    """(statement index, bound name) of the import the marker records as added by dsfix, if still there."""
+    for i, node in enumerate(f.body):
+        if spec.name is None and isinstance(node, ast.Import):
+            hit = any(a.name == spec.module and a.asname is None for a in node.names)
+        elif spec.name is not None and isinstance(node, ast.ImportFrom) and not node.level:
+            hit = node.module == spec.module and any(a.name == spec.name and a.asname is None for a in node.names)
+        else:
+            hit = False
+        if hit:
+            return i, (spec.module.split(".")[0] if spec.name is None else spec.name)
+    return None
+
+
+def take_out(f: _File, keep_replaced: bool = False, mark: bool = False) -> str:
+    """The file's text without what dsfix inserted (any version): its statements with the lines they own
+    (the marker line among them), the save module's import, and the imports the marker records as added.
+    ``mark``: a placeholder line where dsfix's statements stood (see ``put_block``)."""
+    info = f.marker or {}
     if info.get("replaced") and not keep_replaced:
         raise DsfixError(f"dsfix replaced a hand-written {info['replaced']} here; its text is kept only in the "
                          "state folder, which is gone, so it cannot be restored structurally", code=1)
-    body = [s for s in module.body if not is_dsfix_statement(s) and _module_import(module, s) is None]
+    edits = _cut(f, f.dsfix_statements(), mark)
+    edits += _cut(f, [i for i in range(len(f.body)) if f.module_import(i)], False)
+    by_statement = {}
     for token in filter(None, (info.get("added-imports") or "").split(",")):
-        body = imports.remove(body, ImportSpec.from_token(token))
-    return module.with_changes(body=body)
+        found = _recorded_import(f, ImportSpec.from_token(token))
+        if found is not None:
+            by_statement.setdefault(found[0], set()).add(found[1])
+    edits += [_import_edit(f, i, names) for i, names in by_statement.items()]
+    return _spliced(f.text, edits)
 
 
-def _slot(base: cst.Module, module: cst.Module, patched: bool) -> tuple:
-    """(base's statements without dsfix-named ones, the names taken out, where the wrappers go): where dsfix's
-    block stands now (after the statement before it), or where a hand-written copy stood, else right after
-    save_hf_format."""
-    after = None
-    if patched:
-        prev = None
-        for stmt in module.body:
-            if is_dsfix_statement(stmt):
-                after = prev
-                break
-            prev = stmt
-    kept, replaced, slot = [], [], None
-    for stmt in base.body:
-        if is_dsfix_statement(stmt):
-            replaced.append(defined_name(stmt))
-            slot = len(kept) if slot is None else slot
-            continue
-        kept.append(stmt)
-        if after is not None and stmt is after:
-            slot = len(kept)
-    if slot is None:
-        slot = 1 + next(i for i, s in enumerate(kept) if isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format")
-    return kept, replaced, slot
+def _cut(f: _File, indexes: list, mark: bool) -> list:
+    """Edits that take statements ``indexes`` out with the lines they own; ``mark``: the first becomes the
+    placeholder line."""
+    edits = [(*f.extent(i), "") for i in indexes]
+    if not edits:
+        return edits
+    start, end, _ = edits[0]
+    last = max(e for _s, e, _n in edits) == len(f.text) and not f.text.endswith(("\n", "\r"))
+    if mark:  # where the file ends without a newline, so does the placeholder
+        edits[0] = (start, end, PLACEHOLDER + ("" if last else f.newline))
+    elif last:  # the statement before them is the file's last now: it ends without a newline, as the file did
+        nl = 2 if f.text[:start].endswith("\r\n") else 1 if f.text[:start].endswith(("\n", "\r")) else 0
+        edits[0] = (start - nl, end, "")
+    return edits
+
+
+def _orphans(before: _File, after: _File) -> tuple:
+    """(``after``'s text without the top-level imports that the code ``before`` had and ``after`` lacks alone
+    read, the names dropped)."""
+    bound = {b: i for i, node in enumerate(after.body) if isinstance(node, (ast.Import, ast.ImportFrom))
+             and not any(a.name == "*" for a in node.names) for b, _q in imports.bindings(node)}
+    used_before, used_after = calls.module_reads(before.text, bound), calls.module_reads(after.text, bound)
+    dropped = sorted(b for b in bound if used_before[b] > 0 and used_after[b] == 0)
+    by_statement = {}
+    for b in dropped:
+        by_statement.setdefault(bound[b], set()).add(b)
+    return _spliced(after.text, [_import_edit(after, i, names) for i, names in by_statement.items()]), dropped
+
+
+def _imports_at(f: _File) -> int:
+    """Where a new top-level import goes: after the last one before the first def or class (or after a
+    docstring), else before the first statement."""
+    idx = 0
+    for i, stmt in enumerate(f.body):
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            break
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            idx = i + 1
+        elif i == 0 and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            idx = max(idx, 1)
+    return f.end(idx - 1) if idx else f.start(0)
+
+
+def _after_save_hf_format(f: _File) -> int:
+    return f.end(next(i for i, s in enumerate(f.body) if isinstance(s, ast.FunctionDef) and s.name == "save_hf_format"))
 
 
 class UtilsFixer(Fixer):
@@ -113,72 +259,78 @@ class UtilsFixer(Fixer):
 
     def patch(self, target: Target, ctx: Context) -> Patched:
         data, rel = target.data, target.rel
-        module = parse_cst(data, rel)
-        info = find_marker(module)
-        base = take_out(module, keep_replaced=True) if info else module
-        if not any(isinstance(s, cst.FunctionDef) and s.name.value == "save_hf_format" for s in base.body):
+        patched = _File(data, rel)
+        info = patched.marker or {}
+        f = patched.again(take_out(patched, keep_replaced=True, mark=True)) if patched.marker else patched
+        if not any(isinstance(s, ast.FunctionDef) and s.name == "save_hf_format" for s in f.body):
             raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
-        ctx.defs = signature.find_defs(base, rel, data)
-        notes = [n for d in ctx.defs.values() for n in d.notes] if info is None else []
-        kept, replaced, slot = _slot(base, module, info is not None)
-        kept.insert(slot, placeholder())
-        new = base.with_changes(body=kept)
-        if replaced:
-            new, dropped = imports.drop_orphaned(base, new, calls.module_reads)
-            notes += [f"replaced a hand-written {n} with dsfix's (the original is kept for `dsfix revert`)"
-                      for n in replaced]
+        ctx.defs = signature.find_defs(data, rel)
+        notes = [n for d in ctx.defs.values() for n in d.notes] if not patched.marker else []
+        hand = [_defined(f.body[i]) for i in f.dsfix_statements()]
+        if hand:  # a hand-written copy (the widely copied fix): the wrappers take its place; imports it alone read go
+            marked = PLACEHOLDER in f.text
+            cut = f.again(_spliced(f.text, _cut(f, f.dsfix_statements(), not marked)))
+            text, dropped = _orphans(f, cut)
+            f = f.again(text)
+            notes += [f"replaced a hand-written {n} with dsfix's (the original is kept for `dsfix revert`)" for n in hand]
             notes += [f"dropped the import of {d}, which only the replaced code used" for d in dropped]
-        if info and info.get("replaced"):
-            replaced = [*info["replaced"].split(","), *(r for r in replaced if r not in info["replaced"].split(","))]
-        code, added = self._assemble(new, module, ctx, replaced)
-        out = encode(code, module.encoding, rel)
-        if not info:
-            notes.append(f"adds `{MODULE_IMPORTS[import_form(ctx, module)].splitlines()[0]}`"
-                         + (", " + ", ".join(f"`{s.source()}`" for s in added) if added else ""))
+        replaced = [r for r in [*info.get("replaced", "").split(","), *hand] if r]
+        held = next((form for i in range(len(patched.body)) if (form := patched.module_import(i))), None)
+        text, added = self._assemble(f, ctx, import_form(ctx, held), list(dict.fromkeys(replaced)))
+        out = encode(text, f.encoding, rel)
+        if not patched.marker:
+            notes.append(f"adds `{MODULE_IMPORTS[import_form(ctx, held)].splitlines()[0]}`"
+                         + "".join(f", `{s.source()}`" for s in added))
         else:
             notes[:0] = _update_notes(info, ctx.strategy)
         return Patched(out, notes if out != data else [])
 
-    def _assemble(self, new: cst.Module, module: cst.Module, ctx: Context, replaced: list) -> tuple:
-        """(the file's text with the imports and the marked wrappers in place, the imports added)."""
-        text = wrappers(ctx.defs, ctx.strategy)
-        needed = [ImportSpec("os")] if re.search(r"\bos\.", text) else []
-        new, added = imports.add(new, needed)
-        form = import_form(ctx, module)
-        statement = cst.parse_statement(MODULE_IMPORTS[form] + "\n", config=new.config_for_parsing)
-        body = list(new.body)
-        body.insert(imports.insert_index(body), statement)
-        new = new.with_changes(body=body)
+    def _assemble(self, f: _File, ctx: Context, form: str, replaced: list) -> tuple:
+        """(the text with the imports added and the marked wrappers where the placeholder stands, else right
+        after save_hf_format, the imports added)."""
+        body = wrappers(ctx.defs, ctx.strategy)
+        needed = [ImportSpec("os")] if re.search(r"\bos\.", body) and not imports.present_in(
+            f.tree, ImportSpec("os")) else []
         marker = make_marker(module_version(), {"strategy": ctx.strategy,
-                                                "added-imports": ",".join(s.token for s in added),
+                                                "added-imports": ",".join(s.token for s in needed),
                                                 "replaced": ",".join(replaced)}, TAIL)
-        return with_block(new, in_style(f"\n\n{marker}\n{ABOUT}\n{text}", new)), added
+        heads = "".join(s.source() + "\n" for s in needed) + MODULE_IMPORTS[form] + "\n"
+        edits = [(_imports_at(f), _imports_at(f), _in_style(heads, "    ", f.newline))]
+        block = _in_style(f"\n\n{marker}\n{ABOUT}\n{body}", f.default_indent(), f.newline)
+        if PLACEHOLDER in f.text:
+            return put_block(_spliced(f.text, edits), f.newline, block), needed
+        at = _after_save_hf_format(f)
+        if at == len(f.text) and not f.text.endswith(("\n", "\r")):  # the file's last line, without a newline
+            block = f.newline + block[:-len(f.newline)]
+        return _spliced(f.text, edits + [(at, at, block)]), needed
 
     def unpatch(self, data: bytes, target: Target, force: bool = False) -> tuple:
-        module = parse_cst(data, target.rel)
-        info = find_marker(module) or {}
-        new = take_out(module, keep_replaced=force)
-        notes = ["the hand-written function dsfix replaced could not be restored"] if force and info.get("replaced") else []
-        return (render(new, target.rel) if new is not module else data), notes
+        f = _File(data, target.rel)
+        if f.marker is None:
+            return data, []
+        notes = ["the hand-written function dsfix replaced could not be restored"] if force and f.marker.get(
+            "replaced") else []
+        return encode(take_out(f, keep_replaced=force), f.encoding, target.rel), notes
 
     def is_patched(self, data: bytes, target: Target) -> bool:
-        return find_marker(parse_cst(data, target.rel)) is not None
+        return _File(data, target.rel).marker is not None
 
     def own_part(self, data: bytes | None) -> str:
         if data is None:
             return ""
-        module = cst.parse_module(data)
-        imports_text = "".join(module.code_for_node(s) for s in module.body if _module_import(module, s))
-        return imports_text + dsfix_text(module)
+        f = _File(data, "utils.py")
+        return "".join(f.text[slice(*f.extent(i))] for i in range(len(f.body))
+                       if f.module_import(i) or i in f.dsfix_statements())
 
     def edited(self, data: bytes, target: Target, ctx: Context) -> bool:
-        module = parse_cst(data, target.rel)
-        info = find_marker(module) or {}
+        f = _File(data, target.rel)
+        info = f.marker or {}
         if info.get("template") != f"v{module_version()}":
             return False  # an older dsfix's block: nothing to compare it with
         base, _ = self.unpatch(data, target)
         strategy = info.get("strategy") if info.get("strategy") in ("clone", "dedupe") else "clone"
-        redo = self.patch(Target(target.rel, "utils", base), Context(strategy, ctx.modules, module_import=held_form(module)))
+        held = next((form for i in range(len(f.body)) if (form := f.module_import(i))), None)
+        redo = self.patch(Target(target.rel, "utils", base), Context(strategy, ctx.modules, module_import=held))
         return self.own_part(redo.new) != self.own_part(data)
 
 
