@@ -23,7 +23,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.errors import LOCKED, DsfixError, Written
+from patcher.errors import LOCKED, DsfixError, Written, stop_point
 from patcher.patch.plan import Saved, sha256
 
 STATE_DIR = ".dsfix"
@@ -258,6 +258,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
                 temps.append((target, _write_temp(target, data)))
             except OSError as e:
                 raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
+        stop_point("commit.staged")  # tests: every new byte written aside, nothing swapped yet
         if state is not KEEP:
             try:
                 if folder.exists():
@@ -268,6 +269,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
             except OSError as e:
                 raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",
                                  path=STATE_DIR + "/") from None
+        stop_point("commit.swapped")  # tests: the state folder swapped in, no file renamed yet
         for target, tmp in temps:
             old = target.read_bytes() if target.exists() else None
             try:
@@ -275,6 +277,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
             except OSError as e:
                 raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
             done.append((target, old))
+            stop_point("commit.renamed")  # tests: commit.renamed#N, after the Nth file is in place
         for target, _tmp in temps:
             fsync_dir(target.parent)
     except BaseException:
@@ -295,5 +298,6 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
         shutil.rmtree(new_dir, ignore_errors=True)
         raise
     Written.mark()  # every file is in place: an interrupt from here on leaves them written
+    stop_point("commit.done")  # tests
     shutil.rmtree(old_dir, ignore_errors=True)
     fsync_dir(root)
