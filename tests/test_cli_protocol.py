@@ -192,10 +192,10 @@ def test_revert_outside_a_checkout_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("missing,args,needle", [
-    ("safetensors", ("verify", "FOLDER"), "pip install 'dsfix[smoke]'"),
-    ("torch", ("convert", "FOLDER"), "pip install 'dsfix[smoke]'"),
-    ("transformers", ("smoke", "CO"), "pip install 'dsfix[smoke]'"),
-    ("transformers", ("demo",), "pip install 'dsfix[smoke]'"),
+    ("safetensors", ("verify", "FOLDER"), "lacks: pip install 'safetensors>=0.4.3' (dsfix's [smoke] extra)"),
+    ("torch", ("convert", "FOLDER"), "lacks: pip install 'torch>=2.1' (dsfix's [smoke] extra)"),
+    ("transformers", ("smoke", "CO"), "lacks: pip install 'transformers>=4.51' (dsfix's [smoke] extra)"),
+    ("transformers", ("demo",), "lacks: pip install 'transformers>=4.51' (dsfix's [smoke] extra)"),
     ("deepspeed", ("smoke", "CO", "--zero-stage", "3"), "DS_BUILD_OPS=0 pip install deepspeed"),
     ("deepspeed", ("smoke", "CO", "--nproc", "2"), "--nproc 2 needs DeepSpeed"),
 ])
@@ -234,8 +234,8 @@ def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
 @pytest.mark.parametrize("script,args,hidden,needle", [
     ("bench_zero3.py", ["--quick"], "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
     ("bench_engine.py", [], "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
-    ("bench_convert.py", ["--quick"], "safetensors", "pip install 'dsfix[smoke]'"),
-    ("bench_save.py", ["--quick"], "torch", "pip install 'dsfix[smoke]'"),
+    ("bench_convert.py", ["--quick"], "safetensors", "pip install 'safetensors>=0.4.3'"),
+    ("bench_save.py", ["--quick"], "torch", "pip install 'torch>=2.1'"),
 ])
 def test_benchmarks_check_what_they_need_first(script, args, hidden, needle):
     code = (f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = {[script, *args]!r}; "
