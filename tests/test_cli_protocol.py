@@ -243,3 +243,32 @@ def test_benchmarks_check_what_they_need_first(script, args, hidden, needle):
     p = subprocess.run([sys.executable, "-c", code], env=CLEAN_ENV, capture_output=True, timeout=60)
     lines = p.stderr.decode().strip().splitlines()
     assert p.returncode == ERROR and len(lines) == 1 and needle in lines[0], p.stderr.decode()[-2000:]
+
+
+# ----------------------------------------------------------------------------- help
+
+
+def _help(*args) -> str:
+    from typer.testing import CliRunner
+
+    from patcher.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "80", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())  # the words, whatever the wrapping
+
+
+@pytest.mark.parametrize("args, says", [
+    ((), ["convert Turn .bin or engine checkpoints into verified safetensors. smoke"]),  # the line not cut short
+    (("smoke",), ["--dtype <bf16|fp16|fp32> The dtype the model is built, trained and saved in.",
+                  "1-3 wrap the model in a DeepSpeed ZeRO engine of that stage (needs DeepSpeed)",
+                  "2 or more need DeepSpeed"]),
+    (("revert",), ["--script <path> A further step-1 entry script that apply patched", "3: locked"]),
+    (("apply",), ["3: locked (another dsfix run is changing the checkout)"]),
+])
+def test_help_says(args, says):
+    text = _help(*args)
+    for phrase in says:
+        assert phrase in text, text
+    assert "..." not in text.partition("Commands:")[2], "no command's line cut short"
+    assert "to patch too" not in text or args != ("revert",)
