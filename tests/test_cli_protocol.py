@@ -3,7 +3,6 @@ path (JSON too), --debug anywhere, check --stat/--quiet, revert outside a checko
 
 from __future__ import annotations
 
-import enum
 import json
 import subprocess
 import sys
@@ -22,7 +21,8 @@ from patcher.errors import ERROR, INTERRUPTED, LOCKED, OK, PENDING
 from patcher.patch.flow import FileReport, Outcome
 from patcher.patch.plan import Status
 from patcher.prereq import no_gpu_driver
-from patcher.report import COMMON_KEYS, ErrorResult
+from patcher.report import COMMON_KEYS, ErrorResult, Verdict
+from patcher.report import Status as ResultStatus
 
 # ----------------------------------------------------------------------------- the protocol, one row a case
 
@@ -88,7 +88,9 @@ def test_every_result_has_the_common_keys_and_its_exit_code(result, code):
     assert isinstance(data["warnings"], list)
     assert data == json.loads(json.dumps(result.to_dict(), default=str)), "to_dict is JSON as it is"
     status = getattr(result, "status", None)
-    assert status is None or isinstance(status, enum.Enum), "statuses are Enums"
+    assert status is None or isinstance(status, ResultStatus), "a status is a report.Status: it carries the exit code"
+    if status is not None:
+        assert (tuple(data)[4], data["status"], status.exit_code) == ("status", status.value, code)
 
 
 def test_every_verb_has_a_row():
@@ -96,9 +98,10 @@ def test_every_verb_has_a_row():
 
 
 @pytest.mark.parametrize("status,code", [(ConvertStatus.CONVERTED, OK), (ConvertStatus.NOTHING, OK),
-                                         (ConvertStatus.FAILED, PENDING), (ConvertStatus.NOT_WRITTEN, PENDING)])
-def test_convert_status_exit_codes(status, code):
-    assert status.exit_code == code
+                                         (ConvertStatus.FAILED, PENDING), (ConvertStatus.NOT_WRITTEN, PENDING),
+                                         (Verdict.PASSED, OK), (Verdict.FAILED, PENDING)])
+def test_each_status_carries_its_exit_code(status, code):
+    assert status.exit_code == code and json.dumps(status) == json.dumps(status.value)
 
 
 def test_verify_of_one_folder_keeps_its_keys_at_the_top():
@@ -272,3 +275,21 @@ def test_help_says(args, says):
         assert phrase in text, text
     assert "..." not in text.partition("Commands:")[2], "no command's line cut short"
     assert "to patch too" not in text or args != ("revert",)
+
+
+# ----------------------------------------------------------------------------- the stop points tests use
+
+
+def test_a_stop_point_does_nothing_unless_it_is_named(monkeypatch):
+    from patcher import errors
+
+    monkeypatch.setattr(errors, "_reached", {})
+    monkeypatch.setattr(errors, "_STOP_AT", None)  # always, outside tests: not even counted
+    errors.stop_point("commit.renamed")
+    assert errors._reached == {}
+    monkeypatch.setattr(errors, "_STOP_AT", "commit.renamed#2")
+    errors.stop_point("commit.renamed")
+    errors.stop_point("commit.staged")
+    with pytest.raises(KeyboardInterrupt):  # the second time: a real SIGINT, Python's own handler
+        errors.stop_point("commit.renamed")
+    assert errors._reached == {"commit.renamed": 2, "commit.staged": 1}

@@ -314,7 +314,8 @@ CUT = "utils.py read with ast: import failed (RuntimeError: "
 def test_worker_warns_only_when_the_user_can_act(tmp_path, monkeypatch, top, note):
     from patcher.checkpoint.smoke_worker import NOTE_LIMIT, load_save_functions
 
-    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as in an environment without DeepSpeed
+    for name in ["deepspeed", *(m for m in sys.modules if m.startswith("deepspeed."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # as in an environment without DeepSpeed
     (tmp_path / "dsfix_note_utils.py").write_text(f"{top}\n\n\ndef save_hf_format_safetensors(m, t, a):\n    return 1\n")
     funcs, method, detail, got = load_save_functions(tmp_path / "dsfix_note_utils.py", tmp_path, "dsfix_note_utils")
     assert method == "ast" and funcs["save_hf_format_safetensors"](0, 0, 0) == 1

@@ -107,7 +107,7 @@ class Progress:
                        rp.TimeRemainingColumn())
         self._bar = rp.Progress(*columns, console=self.console, transient=True)
         self._bar.__enter__()
-        self._task = self._bar.add_task("", total=self.total)
+        self._task = self._bar.add_task(self.title, total=self.total)  # until the first phase names itself
 
     def _print(self, line: str) -> None:
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)

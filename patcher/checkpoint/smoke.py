@@ -291,9 +291,9 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
     """Save a model with the checkout's patched functions as step 1 would, and check what was written.
 
     ``checkout``: a :class:`patcher.patch.locate.Checkout` or a path. ``expect``: the tensors the folder must
-    hold (None: no count). Raises DsfixError
-    (code 2) on bad input, including a checkout whose utils.py has no ``save_hf_format_safetensors``, all
-    before torch is imported; failing checks give ok=False.
+    hold (None: no count). ``console``: where progress goes (None: nowhere). Raises DsfixError (code 2) on bad
+    input, including a checkout whose utils.py has no ``save_hf_format_safetensors``, all before torch is
+    imported; failing checks give ok=False. With ``keep``, the folder is left only when smoke ends.
     """
     from patcher.patch.locate import Checkout, find_checkout
 
