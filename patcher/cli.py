@@ -11,10 +11,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from patcher.errors import interrupt_at_startup
+from patcher.errors import interrupt_at_startup, stop_point
 
 if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
     interrupt_at_startup()
+stop_point("startup")  # the imports below take most of a second: a test stops here (patcher.errors.stop_point)
 
 import contextlib  # noqa: E402
 import functools  # noqa: E402
@@ -28,8 +29,11 @@ import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
 from patcher import __version__  # noqa: E402
-from patcher.errors import ERROR, INTERRUPTED, DsfixError, Written  # noqa: E402
+from patcher.errors import (  # noqa: E402
+    ERROR, INTERRUPTED, ON_INTERRUPT, DsfixError, Written, interrupted_line, need_folder, refuse_file,
+)
 from patcher.report import ErrorResult  # noqa: E402
+from patcher.resources import BUNDLED_TENSORS  # noqa: E402
 
 try:  # typer >= 0.22 vendors click
     from typer._click import exceptions as click_exc
@@ -134,8 +138,9 @@ SCRIPT_OPT = typer.Option(
     [], "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py."
 )
 STRATEGY_OPT = typer.Option(
-    None, help="clone: every tied alias saved as its own copy (311 tensors for Qwen3-0.6B); "
-    "dedupe: transformers' layout, the alias dropped (310). Default: as the last apply recorded, else clone.",
+    None, help=f"clone: every tied alias saved as its own copy ({BUNDLED_TENSORS} tensors for Qwen3-0.6B); "
+    f"dedupe: transformers' layout, the alias dropped ({BUNDLED_TENSORS - 1}). Default: as the last apply "
+    "recorded, else clone.",
     show_default=False,
 )
 STEPS_OPT = typer.Option(
@@ -160,61 +165,46 @@ class _Run:
     interrupted_at: float | None = None
 
 
-def _interrupted_state(verb: str | None, params: dict) -> str:
-    """What the files are like after Ctrl-C during ``verb``: what the writers finished (errors.Written)."""
-    done = Written.done
-    if verb == "apply":
-        return ("apply had finished: the files are patched (undo with `dsfix revert`)" if done else
-                "files are as they were; the state folder is unchanged")
-    if verb == "revert":
-        return "revert had finished: the files are restored" if done else \
-            "files are as they were; the state folder is unchanged"
-    if verb == "convert" and params.get("output"):  # an engine checkpoint
-        return "the converted folder is in place" if done else "nothing was written"
-    if verb == "convert":
-        return ("the safetensors files are in place; .bin files not yet removed may remain" if done else
-                "every folder is as it was")
-    if verb == "smoke" and params.get("keep"):
-        return "the checkout is unchanged; the --keep folder may be incomplete"
-    if verb == "demo" and params.get("keep"):
-        return "nothing outside the --keep folder was written; its demo checkout may be left patched"
-    return "nothing was written"
+def _interrupt_key(verb: str | None, params: dict) -> str | None:
+    """The entry of errors.ON_INTERRUPT for ``verb`` run with ``params``: "convert --output", say."""
+    for option in ("output", "keep"):
+        key = f"{verb} --{option}"
+        if params.get(option) is not None and key in ON_INTERRUPT:
+            return key
+    return verb
+
+
+def _describe(exc: BaseException, verb: str | None, debug: bool, params: dict) -> ErrorResult:
+    """What went wrong, as the ErrorResult that --json prints (the line on stderr: ``_line``)."""
+    if isinstance(exc, (KeyboardInterrupt, typer.Abort)):
+        return ErrorResult.interrupted(verb, interrupted_line(_interrupt_key(verb, params), Written.done))
+    if isinstance(exc, DsfixError):
+        return ErrorResult(verb, exc.code, str(exc), error=exc.message, kind="error",
+                           path=str(exc.path) if exc.path else None, line=exc.line, detail=exc.detail)
+    if isinstance(exc, click_exc.ClickException):
+        return ErrorResult(verb, ERROR, exc.format_message(), error=exc.format_message(), kind="usage")
+    bare = f"{type(exc).__name__}: {exc}"  # an unexpected failure: still one line
+    hint = "" if debug else " (run with --debug for a traceback)"
+    return ErrorResult(verb, ERROR, f"internal error: {bare}{hint}", error=bare, kind="internal")
 
 
 def _fail(exc: BaseException, verb: str | None, as_json: bool, debug: bool, params: dict | None = None) -> int:
     """Every error and interrupt ends here: one line on stderr (after the traceback, with --debug), with
     --json an ErrorResult object on stdout, and the exit code, which --debug never changes."""
-    path = line = None
-    if isinstance(exc, DsfixError):
-        code, kind, text, path, line = exc.code, "error", f"error: {exc}", exc.path, exc.line
-        bare = exc.message
-    elif isinstance(exc, (KeyboardInterrupt, typer.Abort)):
-        code, kind = INTERRUPTED, "interrupted"
-        text = bare = f"interrupted: {_interrupted_state(verb, params or {})}"
-    elif isinstance(exc, click_exc.ClickException):
-        code, kind, text = ERROR, "usage", f"error: {exc.format_message()}"
-        bare = exc.format_message()
-    else:  # an unexpected failure: still one line
-        code, kind = ERROR, "internal"
-        bare = f"{type(exc).__name__}: {exc}"
-        text = f"internal error: {bare}" + ("" if debug else " (run with --debug for a traceback)")
-    detail = exc.detail if isinstance(exc, DsfixError) else ()
+    result = _describe(exc, verb, debug, params or {})
     if debug:
-        for entry in detail:
+        for entry in result.detail:
             err.line(f"dsfix: detail: {entry}")
-    if debug and kind in ("error", "internal"):
-        import traceback
+        if result.kind in ("error", "internal"):
+            import traceback
 
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     if as_json:
-        shown = text[len("error: "):] if text.startswith("error: ") else text
-        result = ErrorResult(verb, code, shown, error=bare, path=str(path) if path else None, line=line, kind=kind,
-                             detail=tuple(detail))
         sys.stdout.write(result.to_json() + "\n")
         sys.stdout.flush()
-    err.line(f"dsfix: {text}")
+    err.line(f"dsfix: error: {result.message}" if result.kind in ("error", "usage") else f"dsfix: {result.message}")
     _Run.reported = True
-    return code
+    return result.exit_code
 
 
 def _command(fn):
@@ -338,8 +328,9 @@ def _render_convert(report, opts: dict) -> None:
         err.print(checks_table(report.checks, title=f"dsfix convert {report.path}"))
         err.print(report.message, markup=False)
         return
-    err.print(f"{report.path}: DeepSpeed-Chat .bin output (converted in place)", markup=False)
-
+    if report.status is not ConvertStatus.NOTHING:  # else each folder's one line says it is already safetensors
+        done = "converted in place" if report.status is ConvertStatus.CONVERTED else "nothing written"
+        err.print(f"{report.path}: DeepSpeed-Chat .bin output ({done})", markup=False)
     for result in report.folders:
         if result.checks and (not result.ok or result.status is ConvertStatus.CONVERTED):
             err.print(checks_table(result.checks, title=f"dsfix convert {result.path}"))
@@ -366,54 +357,10 @@ _RENDER = {"check": _render_patch, "apply": _render_patch, "revert": _render_pat
 # ----------------------------------------------------------------------------- the commands
 
 
-def _patch_command(verb: str, doc: str):
-    """check and apply take the same options; check also prints the diff (stdout) unless --json."""
-
-    @app.command(verb, help=doc)
-    @_command
-    def command(
-        repo: Path = REPO_ARG,
-        strategy: Optional[Strategy] = STRATEGY_OPT,
-        steps: Optional[str] = STEPS_OPT,
-        main_script: Optional[Path] = MAIN_OPT,
-        script: List[Path] = SCRIPT_OPT,
-        as_json: bool = JSON_OPT,
-        stat: bool = STAT_OPT,
-        quiet: bool = QUIET_OPT,
-    ):
-        from patcher.patch import flow
-
-        return getattr(flow, verb)(repo, strategy.value if strategy else None,
-                                   _steps(steps) if steps is not None else None, main_script, script)
-
-    return command
-
-
-check = _patch_command("check", "Print the diff apply would make; write nothing. Exit 0: nothing to do, "
-                                "1: changes pending, 2: error.")
-apply = _patch_command("apply", "Patch the checkout: all files or none. Exit 0: applied or already applied, "
-                                "2: error (nothing written).")
-
-
-@app.command()
-@_command
-def revert(
-    repo: Path = REPO_ARG,
-    force: bool = typer.Option(False, "--force", "-f", help="Restore originals even over later edits (kept beside as *.dsfix-edited)."),
-    main_script: Optional[Path] = MAIN_OPT,
-    script: List[Path] = SCRIPT_OPT,
-    as_json: bool = JSON_OPT,
-    quiet: bool = QUIET_OPT,
-):
-    """Undo apply. Exit 0: restored or nothing to restore, 1: refused because files changed, 2: error
-    (also outside a checkout with no dsfix patch)."""
-    from patcher.patch import flow
-
-    return flow.revert(repo, force=force, main=main_script, scripts=script)
-
-
-def _steps(text: str) -> tuple:
+def _steps(text: str | None) -> tuple | None:
     """--steps: a comma-separated list of 1, 2 and 3 (step 1 is patched only when it is listed)."""
+    if text is None:
+        return None
     parts = [p.strip() for p in text.split(",") if p.strip()]
     bad = [p for p in parts if p not in ("1", "2", "3")]
     if bad or not parts:
@@ -421,7 +368,62 @@ def _steps(text: str) -> tuple:
     return tuple(sorted({int(p) for p in parts}))
 
 
-@app.command()
+@app.command(help="Print the diff apply would make; write nothing. Exit 0: nothing to do, 1: changes pending, "
+                  "2: error.")
+@_command
+def check(
+    repo: Path = REPO_ARG,
+    strategy: Optional[Strategy] = STRATEGY_OPT,
+    steps: Optional[str] = STEPS_OPT,
+    main_script: Optional[Path] = MAIN_OPT,
+    script: List[Path] = SCRIPT_OPT,
+    as_json: bool = JSON_OPT,
+    stat: bool = STAT_OPT,
+    quiet: bool = QUIET_OPT,
+):
+    from patcher.patch import flow
+
+    return flow.check(repo, strategy.value if strategy else None, _steps(steps), main_script, script)
+
+
+@app.command(help="Patch the checkout: all files or none. Exit 0: applied or already applied, 2: error (nothing "
+                  "written), 3: locked (another dsfix run is changing the checkout).")
+@_command
+def apply(
+    repo: Path = REPO_ARG,
+    strategy: Optional[Strategy] = STRATEGY_OPT,
+    steps: Optional[str] = STEPS_OPT,
+    main_script: Optional[Path] = MAIN_OPT,
+    script: List[Path] = SCRIPT_OPT,
+    as_json: bool = JSON_OPT,
+    stat: bool = STAT_OPT,
+    quiet: bool = QUIET_OPT,
+):
+    from patcher.patch import flow
+
+    return flow.apply(repo, strategy.value if strategy else None, _steps(steps), main_script, script)
+
+
+@app.command(help="Undo apply. Exit 0: restored or nothing to restore, 1: refused because files changed, 2: error "
+                  "(also outside a checkout with no dsfix patch), 3: locked (another dsfix run is changing the "
+                  "checkout).")
+@_command
+def revert(
+    repo: Path = REPO_ARG,
+    force: bool = typer.Option(False, "--force", "-f", help="Restore originals even over later edits (kept beside as *.dsfix-edited)."),
+    main_script: Optional[Path] = MAIN_OPT,
+    script: List[Path] = typer.Option(
+        [], "--script", help="A further step-1 entry script that apply patched (repeatable), e.g. main_lora.py; "
+        "needed only where the state folder is gone and dsfix does not find it by itself."),
+    as_json: bool = JSON_OPT,
+    quiet: bool = QUIET_OPT,
+):
+    from patcher.patch import flow
+
+    return flow.revert(repo, force=force, main=main_script, scripts=script)
+
+
+@app.command(help="Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input.")
 @_command
 def verify(
     folder: Path = typer.Argument(..., help="A saved model folder (config.json plus safetensors weights), "
@@ -430,11 +432,10 @@ def verify(
     load: bool = typer.Option(True, help="Also load the folder (from_pretrained; a critic into its module)."),
     as_json: bool = JSON_OPT,
 ):
-    """Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input."""
     from patcher.prereq import require
 
     require("verify")
-    from patcher.checkpoint.verify import verify_path
+    from patcher.checkpoint.verify import verify_path  # the input is checked before torch is imported
 
     return verify_path(folder, expect=expect, load=load)
 
@@ -446,15 +447,19 @@ class OutDType(str, Enum):
     fp32 = "fp32"
 
 
-@app.command()
+@app.command(short_help="Turn .bin or engine checkpoints into verified safetensors.",
+             help="Turn .bin weights or a DeepSpeed engine checkpoint into a verified safetensors folder. Exit 0: "
+                  "converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused "
+                  "pickle.")
 @_command
 def convert(
     folder: Path = typer.Argument(..., help="A DeepSpeed-Chat output folder with pytorch_model.bin (or a sharded .bin "
                                             "index) and config.json, a step-3 folder holding actor/, critic/, actor_ema/, "
                                             "or a DeepSpeed engine checkpoint (latest + global_stepN/, or global_stepN/)."),
     strategy: Strategy = typer.Option(
-        Strategy.clone, help="clone: a tied alias is written as its own copy, restored when the .bin lacks it "
-        "(311 tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out (310)."
+        Strategy.clone, help=f"clone: a tied alias is written as its own copy, restored when the .bin lacks it "
+        f"({BUNDLED_TENSORS} tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out "
+        f"({BUNDLED_TENSORS - 1})."
     ),
     remove_bin: bool = typer.Option(False, "--remove-bin", help="Remove the .bin files once the safetensors are in place."),
     load: bool = typer.Option(True, help="Also load the written folder (from_pretrained; a critic into its module)."),
@@ -465,15 +470,17 @@ def convert(
     dtype: OutDType = typer.Option(OutDType.auto, help="Engine checkpoint: the weights' dtype (auto: config.json's)."),
     as_json: bool = JSON_OPT,
 ):
-    """Turn .bin weights or a DeepSpeed engine checkpoint into a verified safetensors folder. Exit 0: converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused pickle."""
     from patcher.prereq import require
 
+    need_folder(folder)
     require("convert")
-    from patcher.checkpoint import engine
+    from patcher.checkpoint import engine  # no torch yet: every input below is checked before it is imported
 
     if engine.is_engine_checkpoint(folder):
         if remove_bin:
             raise DsfixError("--remove-bin is for .bin output folders; a DeepSpeed engine checkpoint is left as it is")
+        if config is not None:
+            need_folder(config)
         return engine.convert_engine(folder, config, output, tag=tag, dtype=dtype.value, strategy=strategy.value,
                                      load=load, console=err.console)
     given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag)) if v is not None]
@@ -485,44 +492,46 @@ def convert(
     return run_convert(folder, strategy=strategy.value, remove_bin=remove_bin, load=load, console=err.console)
 
 
-@app.command()
+@app.command(help="Run the checkout's save on a real Qwen3 model, then verify it. Exit 0: all checks hold, 1: a "
+                  "check failed, 2: error.")
 @_command
 def smoke(
     repo: Path = REPO_ARG,
     device: Device = typer.Option(Device.auto, help="auto: CUDA when available."),
-    dtype: DType = typer.Option(DType.bf16),
-    zero_stage: int = typer.Option(0, "--zero-stage", min=0, max=3, help="1-3 wrap the model in a DeepSpeed engine."),
-    nproc: int = typer.Option(1, min=1, help="Ranks to start (through torch's launcher)."),
-    expect: Optional[int] = typer.Option(None, help="Tensors expected (default: 311 for the bundled Qwen3-0.6B config)."),
-    keep: Optional[Path] = typer.Option(None, help="Keep the saved folder here."),
+    dtype: DType = typer.Option(DType.bf16, help="The dtype the model is built, trained and saved in."),
+    zero_stage: int = typer.Option(0, "--zero-stage", min=0, max=3, help="0: no DeepSpeed engine; 1-3 wrap the "
+                                   "model in a DeepSpeed ZeRO engine of that stage (needs DeepSpeed)."),
+    nproc: int = typer.Option(1, min=1, help="Ranks to start (through torch's launcher; 2 or more need DeepSpeed)."),
+    expect: Optional[int] = typer.Option(None, help=f"Tensors expected (default: {BUNDLED_TENSORS} for the bundled "
+                                                    "Qwen3-0.6B config; none with --model or --config)."),
+    keep: Optional[Path] = typer.Option(None, help="Keep the saved folder here (a new or empty folder; removed again "
+                                                   "if smoke made it and is interrupted)."),
     model: Optional[Path] = typer.Option(None, help="A model folder with real weights instead of the bundled config."),
     config: Optional[Path] = typer.Option(None, help="A config.json to build a random model from."),
     as_json: bool = JSON_OPT,
 ):
-    """Run the checkout's save on a real Qwen3 model, then verify it. Exit 0: all checks hold, 1: a check failed, 2: error."""
     from patcher.prereq import require
 
+    refuse_file(repo)
     need_ds = f"--zero-stage {zero_stage}" if zero_stage > 0 else (f"--nproc {nproc}" if nproc > 1 else None)
     require("smoke", deepspeed=need_ds, cuda=device is Device.cuda)  # before anything expensive
     from patcher.patch.locate import find_checkout
-    from patcher.checkpoint.smoke import run_smoke
+    from patcher.checkpoint.smoke import run_smoke  # the input is checked before torch is imported
 
-    checkout = find_checkout(repo)
     if expect is None and model is None and config is None:
-        expect = 311  # the bundled Qwen3-0.6B config: 28 layers x 11 + 3
-    return run_smoke(checkout, device=device.value, dtype=dtype.value, zero_stage=zero_stage, nproc=nproc,
-                     expect=expect, keep=keep, model_dir=model, config_path=config, console=err.console)
+        expect = BUNDLED_TENSORS  # the bundled Qwen3-0.6B config
+    return run_smoke(find_checkout(repo), device=device.value, dtype=dtype.value, zero_stage=zero_stage,
+                     nproc=nproc, expect=expect, keep=keep, model_dir=model, config_path=config, console=err.console)
 
 
-@app.command()
+@app.command(help="Check, apply, smoke and revert on the bundled example checkout. Exit 0: every step passed, "
+                  "1: one failed, 2: error (a missing requirement, say).")
 @_command
 def demo(
     device: Device = typer.Option(Device.auto, help="Device for the smoke save."),
     keep: Optional[Path] = typer.Option(None, help="Keep the demo checkout here instead of a temporary folder."),
     as_json: bool = JSON_OPT,
 ):
-    """Check, apply, smoke and revert on the bundled example checkout. Exit 0: every step passed, 1: one
-    failed, 2: error (a missing requirement, say)."""
     from patcher.prereq import require
 
     require("demo", cuda=device is Device.cuda)  # before the patch path and torch are imported

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.errors import DsfixError
+from patcher.errors import DsfixError, refuse_file
 from patcher.patch import flow
 from patcher.report import Result, Verdict
 
@@ -44,10 +44,6 @@ class DemoResult(Result):
         return Verdict.of([r.step for r in self.rows] == list(STEPS) and all(r.ok for r in self.rows))
 
     @property
-    def exit_code(self) -> int:
-        return self.status.exit_code
-
-    @property
     def message(self) -> str:
         if self.status is Verdict.PASSED:
             return "demo passed"
@@ -55,7 +51,7 @@ class DemoResult(Result):
         return f"demo failed: {', '.join(failed)}"
 
     def body(self) -> dict:
-        return {"status": self.status.value, "checkout": self.checkout,
+        return {"checkout": self.checkout,
                 "steps": [{"step": r.step, "ok": r.ok, "detail": r.detail, "seconds": round(r.seconds, 3)}
                           for r in self.rows]}
 
@@ -110,54 +106,63 @@ def show_changes(console, co: Path, out) -> None:
 
 def run_demo(console, device: str = "auto", keep: Path | None = None, show_diff: bool = True) -> DemoResult:
     """check, apply, smoke and revert on a copy of the bundled checkout; what it needs is checked first
-    (the [smoke] extra, and CUDA for device "cuda"), before anything is copied or patched."""
+    (the [smoke] extra, CUDA for device "cuda", a usable --keep folder), before torch is imported and before
+    anything is copied or patched."""
     from patcher.prereq import require
 
     require("demo", cuda=device == "cuda")
-    from patcher.checkpoint.smoke import print_report, resolve_device, run_smoke
+    if keep is not None:
+        refuse_file(keep)
+        if (Path(keep) / "DeepSpeed-Chat").exists():
+            raise DsfixError(f"{Path(keep) / 'DeepSpeed-Chat'} already exists; pick an empty --keep folder")
+    from patcher.checkpoint.quiet import import_torch_quietly
+    from patcher.checkpoint.smoke import resolve_device
 
-    device = resolve_device(device)  # imports torch: a second or two, but before check and apply
+    import_torch_quietly()
+    device = resolve_device(device)  # a second or two, but before check and apply
     base = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="dsfix-demo-"))
     co = base / "DeepSpeed-Chat"
-    if co.exists():
-        raise DsfixError(f"{co} already exists; pick an empty --keep folder")
-    rows = []
-
-    def step(name, ok, detail, t0):
-        rows.append(DemoRow(name, ok, detail, time.perf_counter() - t0))
-        return ok
-
+    rows: list = []
     try:
         shutil.copytree(demo_checkout_source(), co)
-        original = _snapshot(co)
-        console.rule("[bold]1/4 dsfix check[/]: what dsfix would change")
-        t0 = time.perf_counter()
-        out = flow.check(co)
-        if show_diff:
-            show_changes(console, co, out)
-        step("check", out.exit_code == 1, out.message, t0)
-
-        console.rule("[bold]2/4 dsfix apply[/]")
-        t0 = time.perf_counter()
-        out = flow.apply(co)
-        for f in out.files:
-            console.print(f"  {f.status.value}: {f.rel}", markup=False)
-        again = flow.check(co)
-        step("apply", again.exit_code == 0, f"{out.message}; check afterwards: {again.message}", t0)
-
-        console.rule("[bold]3/4 dsfix smoke[/]: the inserted save on a random Qwen3-0.6B")
-        t0 = time.perf_counter()
-        report = run_smoke(co, device=device, dtype="bf16", zero_stage=0, nproc=1, expect=311, console=console,
-                           train_steps=0)
-        print_report(report, console)
-        step("smoke", report.ok, f"{report.tensors} tensors on {report.device}", t0)
-
-        console.rule("[bold]4/4 dsfix revert[/]")
-        t0 = time.perf_counter()
-        out = flow.revert(co)
-        exact = _snapshot(co) == original
-        step("revert", exact, out.message + ("; every byte as before" if exact else "; FILES DIFFER"), t0)
+        _run_steps(console, co, device, show_diff, rows)
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
     return DemoResult(tuple(rows), str(co) if keep else None)
+
+
+def _run_steps(console, co: Path, device: str, show_diff: bool, rows: list) -> None:
+    """The four steps on the demo checkout ``co``, each a DemoRow in ``rows``."""
+    from patcher.checkpoint.smoke import print_report, run_smoke
+
+    def step(name, ok, detail, t0):
+        rows.append(DemoRow(name, ok, detail, time.perf_counter() - t0))
+
+    original = _snapshot(co)
+    console.rule("[bold]1/4 dsfix check[/]: what dsfix would change")
+    t0 = time.perf_counter()
+    out = flow.check(co)
+    if show_diff:
+        show_changes(console, co, out)
+    step("check", out.exit_code == 1, out.message, t0)
+
+    console.rule("[bold]2/4 dsfix apply[/]")
+    t0 = time.perf_counter()
+    out = flow.apply(co)
+    for f in out.files:
+        console.print(f"  {f.status.value}: {f.rel}", markup=False)
+    again = flow.check(co)
+    step("apply", again.exit_code == 0, f"{out.message}; check afterwards: {again.message}", t0)
+
+    console.rule("[bold]3/4 dsfix smoke[/]: the inserted save on a random Qwen3-0.6B")
+    t0 = time.perf_counter()
+    report = run_smoke(co, device=device, dtype="bf16", zero_stage=0, nproc=1, console=console, train_steps=0)
+    print_report(report, console)
+    step("smoke", report.ok, f"{report.tensors} tensors on {report.device}", t0)
+
+    console.rule("[bold]4/4 dsfix revert[/]")
+    t0 = time.perf_counter()
+    out = flow.revert(co)
+    exact = _snapshot(co) == original
+    step("revert", exact, out.message + ("; every byte as before" if exact else "; FILES DIFFER"), t0)

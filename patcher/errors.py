@@ -40,8 +40,8 @@ class DsfixError(Exception):
 
 class Written:
     """Whether the operation under way has put all its files in place: the writers (the patch path's
-    commit, convert's commit) mark it once every file is there, so that the one line an interrupt prints
-    tells the truth about the files. The CLI clears it when a command starts."""
+    commit, convert's commit, smoke's kept folder) mark it once every file is there, so that the one line
+    an interrupt prints tells the truth about the files. The CLI clears it when a command starts."""
 
     done = False
 
@@ -54,26 +54,104 @@ class Written:
         cls.done = False
 
 
+# ----------------------------------------------------------------------------- what Ctrl-C leaves on disk
+
+NOTHING_WRITTEN = "nothing was written"
+AS_THEY_WERE = "files are as they were; the state folder is unchanged"
+# What the files are like after Ctrl-C, for each verb (and the option that changes it): (before the verb's
+# files were all in place, after: Written). A verb not listed wrote nothing either way. The start-up handler
+# and the CLI both read it (``interrupted_line``).
+ON_INTERRUPT = {
+    "apply": (AS_THEY_WERE, "apply had finished: the files are patched (undo with `dsfix revert`)"),
+    "revert": (AS_THEY_WERE, "revert had finished: the files are restored"),
+    "convert": ("every folder is as it was",
+                "the safetensors files are in place; .bin files not yet removed may remain"),
+    "convert --output": (NOTHING_WRITTEN, "the converted folder is in place"),
+    "smoke --keep": (NOTHING_WRITTEN, "smoke had finished: the saved folder is in the --keep folder"),
+    "demo --keep": ("nothing outside the --keep folder was written; its demo checkout may be left patched",) * 2,
+}
+
+
+def interrupted_line(key: str | None = None, done: bool = False) -> str:
+    """The line (after "dsfix: ") for Ctrl-C during ``key`` (a verb, or "verb --option" as ON_INTERRUPT
+    lists them), before or after its files were all in place (``done``)."""
+    before, after = ON_INTERRUPT.get(key or "", (NOTHING_WRITTEN, NOTHING_WRITTEN))
+    return f"interrupted: {after if done else before}"
+
+
+# ----------------------------------------------------------------------------- stopping at a named point
+
+_STOP_AT = os.environ.get("DSFIX_STOP_AT")  # for tests: NAME, or NAME#N (the Nth time the point is reached)
+_reached: dict = {}
+
+
+def stop_point(name: str) -> None:
+    """A named point where a test stops dsfix as Ctrl-C would: when DSFIX_STOP_AT names it, the process
+    sends itself SIGINT, so the real handlers run and the test sees what that point leaves on disk. Unset
+    (always, outside tests), it returns at once."""
+    if _STOP_AT is None:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if _STOP_AT in (name, f"{name}#{_reached[name]}"):
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+# ----------------------------------------------------------------------------- the start-up handler
+
+
+class _Startup:
+    ready = False  # patcher.report is imported: the handler can print the JSON
+    pending = False  # Ctrl-C came before that
+
+
 def interrupt_at_startup() -> None:
     """Until the CLI's main() runs (imports take most of a second), Ctrl-C ends the program at once with
     one line and exit 130: nothing has been written yet. Installed only by the dsfix program itself."""
     try:
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _startup_handler)
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return
+        signal.signal(signal.SIGINT, _startup_handler)
     except ValueError:  # pragma: no cover - not the main thread
-        pass
+        return
+    import importlib
+
+    importlib.import_module("patcher.report")  # what the handler prints; a press meanwhile waits for it
+
+    _Startup.ready = True
+    if _Startup.pending:
+        _startup_handler(signal.SIGINT, None)
 
 
 def _startup_handler(signum, frame):  # pragma: no cover - runs in a real process (tests/test_cli_interrupt.py)
-    args = sys.argv[1:]
-    if "--json" in args:
-        verb = next((a for a in args if a in VERBS), None)
-        shown = f'"{verb}"' if verb else "null"
-        os.write(1, (f'{{"verb": {shown}, "exit_code": {INTERRUPTED}, "message": "interrupted: nothing was '
-                     f'written", "warnings": [], "error": {{"kind": "interrupted", "message": "interrupted: '
-                     f'nothing was written", "path": null, "line": null}}}}\n').encode())
-    os.write(2, b"dsfix: interrupted: nothing was written\n")
+    if not _Startup.ready:
+        _Startup.pending = True
+        return
+    from patcher.report import ErrorResult
+
+    text = interrupted_line()
+    if "--json" in sys.argv[1:]:
+        verb = next((a for a in sys.argv[1:] if a in VERBS), None)
+        os.write(1, (ErrorResult.interrupted(verb, text).to_json() + "\n").encode())
+    os.write(2, f"dsfix: {text}\n".encode())
     os._exit(INTERRUPTED)
+
+
+def file_not_folder(path) -> DsfixError:
+    """The one refusal of a path to a file where a verb takes a folder (exit 2)."""
+    return DsfixError("is a file, not a folder; pass the folder that holds it", path=str(path))
+
+
+def refuse_file(path) -> None:
+    """Raise ``file_not_folder`` when ``path`` is there but is not a folder."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise file_not_folder(path)
+
+
+def need_folder(path, what: str = "folder") -> None:
+    """A folder argument: "no such folder" when ``path`` is not there, ``file_not_folder`` for a file."""
+    if not os.path.exists(path):
+        raise DsfixError(f"no such {what}", path=str(path))
+    refuse_file(path)
 
 
 def shown(items, limit: int = 3, sep: str = ", ") -> str:

@@ -1,11 +1,14 @@
-"""What every command returns: a result with an exit code and a JSON-able dict. torch-free.
+"""What every command returns: a result with a status, an exit code and a JSON-able dict. torch-free.
 
 Each command's result type (check/apply/revert: :class:`patcher.patch.flow.Outcome`; verify, smoke and
 convert: their reports in :mod:`patcher.checkpoint`; demo: :class:`patcher.demo.DemoResult`) derives
-from :class:`Result`: it names its verb, derives its ``exit_code`` from its own status in one place, and
-gives its own keys in ``body()``. ``to_dict()`` puts the keys every result shares first::
+from :class:`Result`. A result names its verb and its ``status``, a :class:`Status` member: the status
+carries the exit code (the one map from status to exit code), and the result gives its ``message`` and its
+own keys in ``body()``. ``to_dict()`` puts the keys every result shares first, then the status where there
+is one::
 
-    {"verb": "check", "exit_code": 1, "message": "2 files would change", "warnings": [], ...its own keys}
+    {"verb": "verify", "exit_code": 1, "message": "verification FAILED: ...", "warnings": [],
+     "status": "failed", ...its own keys}
 
 An error is an :class:`ErrorResult` of the same shape, so that ``--json`` always prints one object.
 """
@@ -16,30 +19,54 @@ import enum
 import json
 from dataclasses import dataclass
 
-from patcher.errors import OK, PENDING
+from patcher.errors import ERROR, INTERRUPTED, OK, PENDING
 
 COMMON_KEYS = ("verb", "exit_code", "message", "warnings")
 
 
-class Verdict(str, enum.Enum):
+class Status(str, enum.Enum):
+    """A result's status and the exit code it ends in. A subclass lists ``NAME = ("text", exit code)``;
+    the text is the member's value (what the JSON says)."""
+
+    def __new__(cls, text: str, exit_code: int):
+        member = str.__new__(cls, text)
+        member._value_ = text
+        member.exit_code = exit_code
+        return member
+
+
+class Verdict(Status):
     """The status of a command that checks something (verify, smoke, demo)."""
 
-    PASSED = "passed"
-    FAILED = "failed"
-
-    @property
-    def exit_code(self) -> int:
-        return OK if self is Verdict.PASSED else PENDING
+    PASSED = ("passed", OK)
+    FAILED = ("failed", PENDING)
 
     @classmethod
     def of(cls, ok: bool) -> "Verdict":
         return cls.PASSED if ok else cls.FAILED
 
 
+def dumps(data: dict) -> str:
+    """The JSON text of every result and report: indented, enums by value, paths and the rest as text."""
+    return json.dumps(data, indent=2, default=_plain)
+
+
+def _plain(value):
+    if isinstance(value, enum.Enum):
+        return value.value
+    return str(value)
+
+
 class Result:
-    """The result protocol. A subclass provides ``verb``, ``exit_code``, ``message`` and ``warnings`` (as
-    fields or properties: the base defines none of them, so that a dataclass subclass can make them
-    fields) and its own keys in ``body()``."""
+    """The result protocol. A subclass provides ``verb``, ``status`` (a :class:`Status`; or it overrides
+    ``exit_code`` itself, as the patch verbs' Outcome does, whose code comes from its files), ``message``
+    and ``warnings`` (as fields or properties), and its own keys in ``body()``."""
+
+    warnings = ()
+
+    @property
+    def exit_code(self) -> int:
+        return self.status.exit_code
 
     def body(self) -> dict:
         return {}
@@ -47,32 +74,52 @@ class Result:
     def to_dict(self) -> dict:
         head = {"verb": self.verb, "exit_code": self.exit_code, "message": self.message,
                 "warnings": list(self.warnings)}
+        status = getattr(self, "status", None)
+        if isinstance(status, Status):
+            head["status"] = status.value
         return {**head, **{k: v for k, v in self.body().items() if k not in head}}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, default=_plain)
+        return dumps(self.to_dict())
 
 
-def _plain(value):
-    """JSON for what json does not know: enums by value, paths and the rest as text."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    return str(value)
+class Checks:
+    """What the reports of verify, smoke and convert share: a tuple of named checks (each with ``name``,
+    ``ok`` and ``detail``), looked up by name, and their JSON (``to_dict`` is the report's own)."""
+
+    checks: tuple
+
+    def check(self, name: str):
+        return next((c for c in self.checks if c.name == name), None)
+
+    @property
+    def failed(self) -> tuple:
+        return tuple(c for c in self.checks if not c.ok)
+
+    def to_json(self) -> str:
+        return dumps(self.to_dict())
 
 
 @dataclass(frozen=True)
 class ErrorResult(Result):
-    """A command that ended in an error (exit 2, 3) or an interrupt (130): what --json prints then."""
+    """A command that ended in an error (exit 2, 3) or an interrupt (130): what --json prints then. Its exit
+    code is a field (the error's own), not a status's; every field has a default so that the dataclass's
+    fields stand in for the base's properties."""
 
-    verb: str
-    exit_code: int
-    message: str
+    verb: str | None = None
+    exit_code: int = ERROR
+    message: str = ""
     error: str = ""  # the message without its place
     path: str | None = None
     line: int | None = None
     kind: str = "error"  # "error", "usage", "interrupted", "internal"
     warnings: tuple = ()
     detail: tuple = ()  # the full story behind the one line (every import line considered, say)
+
+    @classmethod
+    def interrupted(cls, verb: str | None, text: str) -> "ErrorResult":
+        """Ctrl-C: ``text`` is the one line after "dsfix: " (``interrupted: <what the files are like>``)."""
+        return cls(verb, INTERRUPTED, text, error=text, kind="interrupted")
 
     def body(self) -> dict:
         return {"error": {"kind": self.kind, "message": self.error or self.message, "path": self.path,

@@ -14,6 +14,11 @@ from patcher.errors import DsfixError
 _SRC_ROOT = Path(__file__).resolve().parent.parent
 _PACKAGES = {"templates": "patcher.templates", "fixtures": "patcher._fixtures"}
 
+# The model smoke and the demo build by default (random weights), and the tensors dsfix's clone save writes
+# for it: 28 layers x 11 + 3 (lm_head.weight, the tied alias, included; transformers' own save writes one less).
+BUNDLED_CONFIG = "models/qwen3-0.6b/config.json"
+BUNDLED_TENSORS = 311
+
 
 def resource_path(folder: str, rel: str) -> Path:
     """The path of ``rel`` under ``folder`` ("templates" or "fixtures"); a one-line error when it is missing."""

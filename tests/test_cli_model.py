@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import types
@@ -10,7 +11,7 @@ import types
 import pytest
 
 from smokekit import NARROW, narrow_model
-from patchkit import FIXTURES, cli, copy_fixture, run
+from patchkit import FIXTURES, REPO, cli, copy_fixture, run
 
 
 pytestmark = pytest.mark.slow  # torch models through the CLI, and the demo
@@ -53,6 +54,8 @@ def test_smoke_exit_codes(tmp_path):
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     report = json.loads(p.stdout)
     assert report["ok"] and report["tensors"] == 311
+    assert b"dsfix smoke: building and saving (in this process, no DeepSpeed engine) [0s]" in p.stderr, \
+        "off a terminal: progress as plain lines"
 
     unpatched = copy_fixture("legacy", tmp_path)
     p = run("smoke", unpatched, "--device", "cpu", "--config", NARROW)
@@ -65,10 +68,22 @@ def test_smoke_exit_codes(tmp_path):
 
 
 def test_demo_passes(tmp_path):
-    """The README's first command ends in `dsfix demo`: it must pass (full Qwen3-0.6B config, CPU)."""
-    p = run("demo", "--device", "cpu", "--keep", tmp_path / "demo", timeout=900)
+    """The README's first command ends in `dsfix demo`: it must pass (full Qwen3-0.6B config, CPU), in that
+    command's environment: no DeepSpeed (hidden here from the process by a sitecustomize), which is expected
+    and gets no warning. Its output is not a terminal: progress comes as plain lines; none is over 200."""
+    hide = tmp_path / "no-deepspeed"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None  # as if not installed\n")
+    p = run("demo", "--device", "cpu", "--keep", tmp_path / "demo", timeout=900,
+            env={"PYTHONPATH": os.pathsep.join([str(hide), str(REPO)])})
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     assert b"demo passed" in p.stderr and b"311 tensors" in p.stderr
+    err = p.stderr.decode()
+    functions_row = " ".join(w for w in err.split() if w != "│")  # the table's cells, their words in a row
+    assert "with ast (it imports DeepSpeed, which a save without an engine does not need)" in functions_row
+    assert "warning" not in err.lower() and "Loading weights" not in err
+    assert re.search(r"^dsfix smoke: rank 0: \w+ \(in this process, no DeepSpeed engine\) \[\d+s\]$", err, re.M)
+    assert max(len(line) for line in (err + p.stdout.decode()).splitlines()) <= 200
     assert b"dsfix check CHECKOUT" in p.stderr and b"dsfix revert CHECKOUT" in p.stderr, "what to run next"
     assert b"Loading weights" not in p.stderr and b"Warning" not in p.stderr
     # the newcomer sees utils.py's and main.py's diffs in full on stdout, and what the new save module is

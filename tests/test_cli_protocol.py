@@ -3,7 +3,6 @@ path (JSON too), --debug anywhere, check --stat/--quiet, revert outside a checko
 
 from __future__ import annotations
 
-import enum
 import json
 import subprocess
 import sys
@@ -22,7 +21,8 @@ from patcher.errors import ERROR, INTERRUPTED, LOCKED, OK, PENDING
 from patcher.patch.flow import FileReport, Outcome
 from patcher.patch.plan import Status
 from patcher.prereq import no_gpu_driver
-from patcher.report import COMMON_KEYS, ErrorResult
+from patcher.report import COMMON_KEYS, ErrorResult, Verdict
+from patcher.report import Status as ResultStatus
 
 # ----------------------------------------------------------------------------- the protocol, one row a case
 
@@ -88,7 +88,9 @@ def test_every_result_has_the_common_keys_and_its_exit_code(result, code):
     assert isinstance(data["warnings"], list)
     assert data == json.loads(json.dumps(result.to_dict(), default=str)), "to_dict is JSON as it is"
     status = getattr(result, "status", None)
-    assert status is None or isinstance(status, enum.Enum), "statuses are Enums"
+    assert status is None or isinstance(status, ResultStatus), "a status is a report.Status: it carries the exit code"
+    if status is not None:
+        assert (tuple(data)[4], data["status"], status.exit_code) == ("status", status.value, code)
 
 
 def test_every_verb_has_a_row():
@@ -96,9 +98,10 @@ def test_every_verb_has_a_row():
 
 
 @pytest.mark.parametrize("status,code", [(ConvertStatus.CONVERTED, OK), (ConvertStatus.NOTHING, OK),
-                                         (ConvertStatus.FAILED, PENDING), (ConvertStatus.NOT_WRITTEN, PENDING)])
-def test_convert_status_exit_codes(status, code):
-    assert status.exit_code == code
+                                         (ConvertStatus.FAILED, PENDING), (ConvertStatus.NOT_WRITTEN, PENDING),
+                                         (Verdict.PASSED, OK), (Verdict.FAILED, PENDING)])
+def test_each_status_carries_its_exit_code(status, code):
+    assert status.exit_code == code and json.dumps(status) == json.dumps(status.value)
 
 
 def test_verify_of_one_folder_keeps_its_keys_at_the_top():
@@ -192,10 +195,10 @@ def test_revert_outside_a_checkout_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("missing,args,needle", [
-    ("safetensors", ("verify", "FOLDER"), "pip install 'dsfix[smoke]'"),
-    ("torch", ("convert", "FOLDER"), "pip install 'dsfix[smoke]'"),
-    ("transformers", ("smoke", "CO"), "pip install 'dsfix[smoke]'"),
-    ("transformers", ("demo",), "pip install 'dsfix[smoke]'"),
+    ("safetensors", ("verify", "FOLDER"), "lacks: pip install 'safetensors>=0.4.3' (dsfix's [smoke] extra)"),
+    ("torch", ("convert", "FOLDER"), "lacks: pip install 'torch>=2.1' (dsfix's [smoke] extra)"),
+    ("transformers", ("smoke", "CO"), "lacks: pip install 'transformers>=4.51' (dsfix's [smoke] extra)"),
+    ("transformers", ("demo",), "lacks: pip install 'transformers>=4.51' (dsfix's [smoke] extra)"),
     ("deepspeed", ("smoke", "CO", "--zero-stage", "3"), "DS_BUILD_OPS=0 pip install deepspeed"),
     ("deepspeed", ("smoke", "CO", "--nproc", "2"), "--nproc 2 needs DeepSpeed"),
 ])
@@ -234,8 +237,8 @@ def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
 @pytest.mark.parametrize("script,args,hidden,needle", [
     ("bench_zero3.py", ["--quick"], "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
     ("bench_engine.py", [], "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
-    ("bench_convert.py", ["--quick"], "safetensors", "pip install 'dsfix[smoke]'"),
-    ("bench_save.py", ["--quick"], "torch", "pip install 'dsfix[smoke]'"),
+    ("bench_convert.py", ["--quick"], "safetensors", "pip install 'safetensors>=0.4.3'"),
+    ("bench_save.py", ["--quick"], "torch", "pip install 'torch>=2.1'"),
 ])
 def test_benchmarks_check_what_they_need_first(script, args, hidden, needle):
     code = (f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = {[script, *args]!r}; "
@@ -243,3 +246,50 @@ def test_benchmarks_check_what_they_need_first(script, args, hidden, needle):
     p = subprocess.run([sys.executable, "-c", code], env=CLEAN_ENV, capture_output=True, timeout=60)
     lines = p.stderr.decode().strip().splitlines()
     assert p.returncode == ERROR and len(lines) == 1 and needle in lines[0], p.stderr.decode()[-2000:]
+
+
+# ----------------------------------------------------------------------------- help
+
+
+def _help(*args) -> str:
+    from typer.testing import CliRunner
+
+    from patcher.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "80", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())  # the words, whatever the wrapping
+
+
+@pytest.mark.parametrize("args, says", [
+    ((), ["convert Turn .bin or engine checkpoints into verified safetensors. smoke"]),  # the line not cut short
+    (("smoke",), ["--dtype <bf16|fp16|fp32> The dtype the model is built, trained and saved in.",
+                  "1-3 wrap the model in a DeepSpeed ZeRO engine of that stage (needs DeepSpeed)",
+                  "2 or more need DeepSpeed"]),
+    (("revert",), ["--script <path> A further step-1 entry script that apply patched", "3: locked"]),
+    (("apply",), ["3: locked (another dsfix run is changing the checkout)"]),
+])
+def test_help_says(args, says):
+    text = _help(*args)
+    for phrase in says:
+        assert phrase in text, text
+    assert "..." not in text.partition("Commands:")[2], "no command's line cut short"
+    assert "to patch too" not in text or args != ("revert",)
+
+
+# ----------------------------------------------------------------------------- the stop points tests use
+
+
+def test_a_stop_point_does_nothing_unless_it_is_named(monkeypatch):
+    from patcher import errors
+
+    monkeypatch.setattr(errors, "_reached", {})
+    monkeypatch.setattr(errors, "_STOP_AT", None)  # always, outside tests: not even counted
+    errors.stop_point("commit.renamed")
+    assert errors._reached == {}
+    monkeypatch.setattr(errors, "_STOP_AT", "commit.renamed#2")
+    errors.stop_point("commit.renamed")
+    errors.stop_point("commit.staged")
+    with pytest.raises(KeyboardInterrupt):  # the second time: a real SIGINT, Python's own handler
+        errors.stop_point("commit.renamed")
+    assert errors._reached == {"commit.renamed": 2, "commit.staged": 1}

@@ -443,3 +443,24 @@ def test_shards_and_index_above_the_shard_size(engine_checkpoints, tmp_path):
         assert all(v["data_offsets"][0] % 2 == 0 for k, v in header.items() if k != "__metadata__")
         with safe_open(str(out / shard), framework="pt") as f:
             assert set(f.keys()) == {k for k, s in index["weight_map"].items() if s == shard}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point, done", [("engine.staged", False), ("engine.renamed", True)])
+def test_cli_stopped_before_and_after_the_rename(engine_checkpoints, tmp_path, point, done):
+    """Ctrl-C (a real SIGINT at a named point, patcher.errors.stop_point) just before the converted folder is
+    renamed into place leaves nothing; just after, the folder is whole, and the line says which."""
+    from smokekit import REPO
+
+    ckpt, model_dir = engine_checkpoints
+    env = {**os.environ, "DSFIX_STOP_AT": point, "NO_COLOR": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "patcher", "convert", str(ckpt / "zero2"), "--config", str(model_dir),
+                           "--output", str(tmp_path / "out"), "--no-load"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dsfix: ")]
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = "the converted folder is in place" if done else "nothing was written"
+    assert lines == [f"dsfix: interrupted: {said}"]
+    assert (tmp_path / "out" / "model.safetensors").is_file() is done
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(engine.STAGING_PREFIX)]

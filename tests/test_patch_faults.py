@@ -225,23 +225,20 @@ def test_a_failed_upgrade_leaves_the_state_folder_byte_for_byte(tmp_path, monkey
     assert snapshot(co) == original
 
 
-def test_interrupt_mid_apply_rolls_back(tmp_path, monkeypatch):
-    from patcher.patch import state
+@pytest.mark.parametrize("point", ["commit.staged", "commit.swapped", "commit.renamed#1", "commit.renamed#2"])
+def test_interrupt_mid_apply_rolls_back(tmp_path, monkeypatch, point):
+    """A real SIGINT at each named step of the commit (patcher.errors.stop_point), in this process: the
+    KeyboardInterrupt goes through the commit's rollback (tests/test_cli_interrupt.py: through the CLI)."""
+    from patcher import errors
+    from patcher.patch import flow
 
     co = copy_fixture("package", tmp_path)
     before = snapshot(co)
-    real = os.replace
-
-    def interrupted(src, dst):
-        if str(dst).endswith("main.py") and "/.dsfix/" not in str(dst):
-            raise KeyboardInterrupt
-        return real(src, dst)
-
-    monkeypatch.setattr(state.os, "replace", interrupted)
-    with pytest.raises(KeyboardInterrupt):  # raised only while replacing the checkout's main.py
-        from patcher.patch import flow
-
+    monkeypatch.setattr(errors, "_STOP_AT", point)
+    monkeypatch.setattr(errors, "_reached", {})
+    with pytest.raises(KeyboardInterrupt):
         flow.apply(co)
+    monkeypatch.setattr(errors, "_STOP_AT", None)
     assert snapshot(co) == before
 
 

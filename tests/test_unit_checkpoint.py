@@ -1,8 +1,7 @@
 """Fast tests of the torch side's pure parts: the checks verify and convert share (on headers written out by
 hand), the folder rules, the refusals that come before any model is built, the worker's extraction of
-dsfix's code, the rank environment, and the demo's own files. Nothing here imports torch but the critic
-test, which needs it for the module and nothing more, and the convert refusals (slow: convert silences
-transformers first, which imports it)."""
+dsfix's code, the rank environment, progress off a terminal, and the demo's own files. Nothing here imports
+torch but the critic test, which needs it for the module and nothing more."""
 
 from __future__ import annotations
 
@@ -179,21 +178,23 @@ def test_folder_kind_and_model_folders(tmp_path):
 
 @pytest.mark.parametrize("make, message", [
     (lambda p: p / "nope", "no such folder"),
-    (lambda p: write(p, {"f": ""}) / "f", "is not a folder"),
+    (lambda p: write(p, {"f": ""}) / "f", "is a file, not a folder; pass the folder that holds it"),
     (lambda p: write(p, {"pytorch_model.bin": ""}), "no safetensors weights, only pytorch_model.bin"),
+    (lambda p: p, "no model weights (model.safetensors or model.safetensors.index.json) in this folder"),
 ])
-def test_verify_refuses_before_reading(tmp_path, make, message):
-    from patcher.checkpoint.verify import verify_folder
+@pytest.mark.parametrize("entry", ["verify_folder", "verify_path"])
+def test_verify_refuses_before_reading(tmp_path, make, message, entry):
+    from patcher.checkpoint import verify
 
     with pytest.raises(DsfixError) as e:
-        verify_folder(make(tmp_path))
+        getattr(verify, entry)(make(tmp_path))
     assert e.value.message.startswith(message) and e.value.code == 2
 
 
-@pytest.mark.slow  # convert quiets transformers first: its import alone is seconds
-@pytest.mark.parametrize("make, kwargs, message", [
+@pytest.mark.parametrize("make, kwargs, message", [  # all before torch (tests/test_cli_errors.py: in a process)
     (lambda p: p, {"strategy": "fast"}, "--strategy must be clone or dedupe, not fast"),
     (lambda p: p / "nope", {}, "no such folder"),
+    (lambda p: write(p, {"f": ""}) / "f", {}, "is a file, not a folder; pass the folder that holds it"),
     (lambda p: write(p, {"notes.txt": ""}), {},
      "no pytorch_model.bin or pytorch_model.bin.index.json here, nor actor/, critic/ or actor_ema/ with one"),
     (lambda p: write(p, {"pytorch_model.bin": ""}), {},
@@ -209,14 +210,14 @@ def test_convert_refuses_before_loading(tmp_path, make, kwargs, message):
     assert e.value.message == message and e.value.code == 2
 
 
-@pytest.mark.slow  # likewise
 def test_convert_leaves_a_safetensors_folder_alone(tmp_path):
     from patcher.checkpoint.convert import convert
 
     write(tmp_path, {"model.safetensors": "", "config.json": "{}"})
     report = convert(tmp_path)
     assert (report.ok, report.status, report.exit_code) == (True, "nothing to convert", 0)
-    assert report.folders[0].note == "it already holds safetensors weights (model.safetensors)"
+    assert report.folders[0].note == "it is already safetensors (model.safetensors)"
+    assert report.message == f"nothing to convert in {tmp_path}: it is already safetensors (model.safetensors)"
 
 
 # ----------------------------------------------------------------------------- smoke, its worker, the ranks
@@ -254,6 +255,72 @@ def test_worker_extracts_only_imports_and_dsfix_definitions(tmp_path):
                                                          "_dsfix_helper"}
     assert ns["save_hf_format_safetensors"](None) == "/" or sys.platform == "win32"
     assert [s.split(":")[0] for s in skipped] == ["line 2", "line 3"]
+
+
+SAVE_MODULE = """\
+def save_hf_format(model, tokenizer, output_dir, *, global_rank=None, strategy="clone", **options):
+    return ("saved", output_dir, strategy)
+"""
+WRAPPER = """\
+
+
+def save_hf_format_safetensors(model, tokenizer, args, sub_folder=""):
+    return {name}.save_hf_format(model, tokenizer, args.output_dir, strategy="dedupe")
+"""
+INLINE = "\n\n_DSFIX_STRATEGY = 'clone'\n\n\ndef save_hf_format_safetensors(model, tokenizer, args):\n    return _DSFIX_STRATEGY\n"
+
+
+@pytest.mark.parametrize("imports, name, module_file, expect", [
+    # (how utils.py imports the save module, the name it binds, a dsfix_safetensors.py beside it?, the call's result)
+    ("from . import dsfix_safetensors", "dsfix_safetensors", True, ("saved", "OUT", "dedupe")),
+    ("import dsfix_safetensors", "dsfix_safetensors", True, ("saved", "OUT", "dedupe")),
+    ("try:\n    from . import dsfix_safetensors\nexcept ImportError:\n    import dsfix_safetensors",
+     "dsfix_safetensors", True, ("saved", "OUT", "dedupe")),
+    ("from . import dsfix_safetensors as _dsfix_io", "_dsfix_io", True, ("saved", "OUT", "dedupe")),
+    ("", None, False, "clone"),  # the v3 block inline: no module to load
+    ("from . import dsfix_safetensors", "dsfix_safetensors", False, "no dsfix_safetensors.py beside it"),
+])
+def test_worker_finds_the_save_module_beside_utils(tmp_path, imports, name, module_file, expect):
+    """smoke's ast path (utils.py does not import here: no DeepSpeed, a relative import) still reaches dsfix's save
+    module: loaded from its file beside utils.py and bound to the name utils.py imports it as."""
+    from patcher.checkpoint.smoke_worker import extract_definitions
+
+    utils = tmp_path / "utils.py"
+    body = WRAPPER.format(name=name) if name else INLINE
+    utils.write_text(f"import os\nimport deepspeed_is_not_here\n{imports}\n{body}")
+    if module_file:
+        (tmp_path / "dsfix_safetensors.py").write_text(SAVE_MODULE)
+    if isinstance(expect, str) and not module_file and name:
+        with pytest.raises(ImportError, match=expect):
+            extract_definitions(utils)
+        return
+    ns, skipped = extract_definitions(utils)
+    assert ns["save_hf_format_safetensors"](None, None, types.SimpleNamespace(output_dir="OUT")) == expect
+    assert [s.split(":")[0] for s in skipped] == ["line 2"], "only the missing module is reported as skipped"
+    assert "dsfix_smoke_extracted_dsfix_safetensors" not in sys.modules
+
+
+CUT = "utils.py read with ast: import failed (RuntimeError: "
+
+
+@pytest.mark.parametrize("top, note", [
+    # (utils.py's first line, the note smoke shows: None for none)
+    ("import deepspeed", None),  # README's first command installs no DeepSpeed: expected, no warning
+    ("from deepspeed.runtime.zero import partition_parameters", None),
+    ("import dsfix_test_missing_module", "utils.py read with ast: import failed (ModuleNotFoundError: No module "
+                                         "named 'dsfix_test_missing_module')"),
+    ("raise RuntimeError('x' * 500)", CUT + "x" * (156 - len(CUT)) + "..."),  # cut to 159 characters
+])
+def test_worker_warns_only_when_the_user_can_act(tmp_path, monkeypatch, top, note):
+    from patcher.checkpoint.smoke_worker import NOTE_LIMIT, load_save_functions
+
+    for name in ["deepspeed", *(m for m in sys.modules if m.startswith("deepspeed."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # as in an environment without DeepSpeed
+    (tmp_path / "dsfix_note_utils.py").write_text(f"{top}\n\n\ndef save_hf_format_safetensors(m, t, a):\n    return 1\n")
+    funcs, method, detail, got = load_save_functions(tmp_path / "dsfix_note_utils.py", tmp_path, "dsfix_note_utils")
+    assert method == "ast" and funcs["save_hf_format_safetensors"](0, 0, 0) == 1
+    assert got == note and (got is None or len(got) <= NOTE_LIMIT < 160)
+    assert "import dsfix_note_utils failed" in detail, "the whole story stays in --json's load_detail"
 
 
 def test_rank_env_is_cpu_gloo_on_loopback():
@@ -305,3 +372,54 @@ def test_critic_without_a_hidden_size_is_refused():
 
     with pytest.raises(ValueError, match="names no hidden size"):
         value_head_width(types.SimpleNamespace())
+
+
+# ----------------------------------------------------------------------------- progress off a terminal
+
+
+PROGRESS = [
+    # (id, total, events (time, "phase"/"advance"/"tick", argument), lines written (time, text))
+    ("a phase starts: a line at once", None, [(0, "phase", "build")], ["build [0s]"]),
+    ("phases within the interval: the latest, once it is due", None,
+     [(0, "phase", "load"), (1, "phase", "build"), (3, "phase", "save"), (4.9, "tick", None), (5, "tick", None),
+      (6, "tick", None)], ["load [0s]", "save [5s]"]),
+    ("nothing new: a heartbeat", None, [(0, "phase", "save"), (29, "tick", None), (30, "tick", None),
+                                        (31, "tick", None), (60, "tick", None)],
+     ["save [0s]", "save [30s]", "save [1m00s]"]),
+    ("bytes: a line every interval while they move", 4 * 10**9,
+     [(0, "phase", "converting"), (1, "advance", 10**9), (6, "advance", 10**9), (7, "advance", 10**9),
+      (11, "tick", None)],
+     ["converting: 0 MB of 4.0 GB, 0% [0s]", "converting: 2.0 GB of 4.0 GB, 50% [6s]",
+      "converting: 3.0 GB of 4.0 GB, 75% [11s]"]),
+    ("no phase yet: nothing to say", 100, [(0, "advance", 50), (9, "tick", None)], []),
+]
+
+
+@pytest.mark.parametrize("total, events, lines", [p[1:] for p in PROGRESS], ids=[p[0] for p in PROGRESS])
+def test_progress_lines_off_a_terminal(total, events, lines):
+    from patcher.checkpoint.progress import Lines
+
+    now = [0.0]
+    out = []
+    lines_ = Lines(out.append, "dsfix x", total, interval=5, heartbeat=30, clock=lambda: now[0])
+    for t, what, arg in events:
+        now[0] = t
+        getattr(lines_, what)(*(() if arg is None else (arg,)))
+    assert out == [f"dsfix x: {text}" for text in lines]
+
+
+@pytest.mark.parametrize("console, total, min_total, shown", [
+    (None, None, 0, False),  # a library call without a console
+    ("plain", None, 0, True),  # a pipe, a log file
+    ("plain", 10, 64, False),  # too little data to be worth a line
+    ("terminal", None, 0, False),  # rich's live bar, not lines (transient: nothing left once done)
+])
+def test_progress_prints_plain_lines_only_off_a_terminal(console, total, min_total, shown):
+    from patcher.checkpoint.progress import Progress
+
+    file = io.StringIO()
+    if console is not None:
+        console = Console(file=file, force_terminal=console == "terminal", width=100)
+    with Progress(console, "dsfix x", total=total, min_total=min_total) as p:
+        p.phase("working")
+    assert ("dsfix x: working [0s]" in file.getvalue()) is shown

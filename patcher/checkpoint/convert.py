@@ -25,7 +25,6 @@ partner (``save_file`` refuses shared storage), under ``clone``, where it must b
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import re
@@ -33,7 +32,6 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -41,9 +39,10 @@ from typing import Optional
 from patcher.checkpoint import checks as ck
 from patcher.checkpoint.checks import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Header, examples
 from patcher.checkpoint.files import fsync
-from patcher.checkpoint.verify import Checks, model_folders
-from patcher.errors import OK, PENDING, DsfixError, Written
-from patcher.report import Result
+from patcher.checkpoint.verify import model_folders
+from patcher.checkpoint.progress import Progress
+from patcher.errors import OK, PENDING, DsfixError, Written, need_folder, stop_point
+from patcher.report import Checks, Result, Status
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -54,17 +53,13 @@ STRATEGIES = ("clone", "dedupe")
 # --------------------------------------------------------------------------- results
 
 
-class ConvertStatus(str, enum.Enum):
+class ConvertStatus(Status):
     """What happened to one folder, and to the whole run (the worst of its folders)."""
 
-    CONVERTED = "converted"
-    NOTHING = "nothing to convert"
-    FAILED = "failed"  # a check failed: nothing written
-    NOT_WRITTEN = "not written"  # this folder passed, another failed: nothing written
-
-    @property
-    def exit_code(self) -> int:
-        return OK if self in (ConvertStatus.CONVERTED, ConvertStatus.NOTHING) else PENDING
+    CONVERTED = ("converted", OK)
+    NOTHING = ("nothing to convert", OK)
+    FAILED = ("failed", PENDING)  # a check failed: nothing written
+    NOT_WRITTEN = ("not written", PENDING)  # this folder passed, another failed: nothing written
 
 
 @dataclass(frozen=True)
@@ -132,15 +127,11 @@ class ConvertReport(Result):
         return ConvertStatus.CONVERTED if done else ConvertStatus.NOTHING
 
     @property
-    def exit_code(self) -> int:
-        return self.status.exit_code
-
-    @property
     def message(self) -> str:
         return "; ".join(f.summary() for f in self.folders)
 
     def body(self) -> dict:
-        return {"path": self.path, "ok": self.ok, "status": self.status.value, "strategy": self.strategy,
+        return {"path": self.path, "ok": self.ok, "strategy": self.strategy,
                 "folders": [f.to_dict() for f in self.folders]}
 
 
@@ -174,67 +165,81 @@ class _Plan:
 def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bool = True, console=None,
             progress_min_bytes: int = PROGRESS_MIN_BYTES) -> ConvertReport:
     """Convert ``path`` (a model folder, or a step-3 folder of them). Raises DsfixError (code 2) on bad input;
-    a failed check gives ``ok=False``. Either every folder is converted or none is touched. Third-party
-    warnings and bars are off meanwhile (a refused pickle is one line of dsfix's, not torch's warning)."""
+    a failed check gives ``ok=False``. Either every folder is converted or none is touched. The input is
+    checked (and a folder that is already safetensors answered) before torch is imported; then third-party
+    warnings and bars are off (a refused pickle is one line of dsfix's, not torch's warning)."""
     from patcher.checkpoint.quiet import quiet
 
-    with quiet():
-        return _convert(path, strategy, remove_bin, load, console, progress_min_bytes)
-
-
-def _convert(path, strategy: str, remove_bin: bool, load: bool, console, progress_min_bytes: int) -> ConvertReport:
     if strategy not in STRATEGIES:
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
-    root = Path(path)
-    if not root.exists():
-        raise DsfixError("no such folder", path=str(path))
-    if not root.is_dir():
-        raise DsfixError("is not a folder", path=str(path))
+    need_folder(path)
+    plans = [_survey(folder) for folder in model_folders(path)]
+    if all(plan.already is not None for plan in plans):
+        return ConvertReport(str(path), strategy, tuple(_nothing(plan, strategy) for plan in plans))
+    with quiet():
+        return _convert(Path(path), plans, strategy, remove_bin, load, console, progress_min_bytes)
 
-    plans = [_read(folder) for folder in model_folders(root)]
+
+def _nothing(plan: _Plan, strategy: str) -> FolderResult:
+    return FolderResult(str(plan.folder), ConvertStatus.NOTHING, True, note=plan.already, strategy=strategy)
+
+
+def _convert(root: Path, plans: list, strategy: str, remove_bin: bool, load: bool, console,
+             progress_min_bytes: int) -> ConvertReport:
     results: dict = {}
     todo = []
     for plan in plans:
         if plan.already is not None:
-            results[plan.folder] = FolderResult(str(plan.folder), ConvertStatus.NOTHING, True, note=plan.already,
-                                                strategy=strategy)
+            results[plan.folder] = _nothing(plan, strategy)
             continue
+        _load(plan)
         _plan_tensors(plan, strategy)
         if any(not c.ok for c in plan.checks):
             results[plan.folder] = _failed(plan, strategy)
         else:
             todo.append(plan)
-
     staged: list = []  # (plan, staging folder, written names, checks)
     try:
         if not any(r.status is ConvertStatus.FAILED for r in results.values()):
-            total = 2 * sum(p.nbytes for p in todo)
-            with _progress(console, total, progress_min_bytes) as advance:
-                for plan in todo:
-                    staging, written, checks = _stage(plan, load, advance)
-                    staged.append((plan, staging, written, checks))
-                    if not all(c.ok for c in checks):
-                        results[plan.folder] = _failed(plan, strategy, checks)
-                        break
+            _stage_all(todo, staged, results, strategy, load, console, progress_min_bytes)
         if any(r.status is ConvertStatus.FAILED for r in results.values()):
             for plan in todo:
                 results.setdefault(plan.folder, FolderResult(
                     str(plan.folder), ConvertStatus.NOT_WRITTEN, False, kind=plan.kind, strategy=strategy,
                     source=tuple(plan.source), note="another folder failed a check; nothing written"))
         else:
+            stop_point("convert.staged")
             _commit(staged)
             Written.mark()  # an interrupt from here on leaves the safetensors files in place
+            stop_point("convert.committed")
             for plan, _, written, checks in staged:
-                removed = _remove_bins(plan) if remove_bin else []
-                results[plan.folder] = FolderResult(
-                    str(plan.folder), ConvertStatus.CONVERTED, True, tuple(checks), kind=plan.kind, strategy=strategy,
-                    source=tuple(plan.source), written=tuple(written),
-                    tensors=sum(len(v) for v in plan.out.values()), restored=tuple(plan.restored),
-                    dropped=tuple(plan.dropped), removed=tuple(removed), bytes_written=plan.nbytes, mmap=plan.mmap)
+                results[plan.folder] = _converted(plan, strategy, written, checks, remove_bin)
     finally:
         for _, staging, _, _ in staged:
             shutil.rmtree(staging, ignore_errors=True)
     return ConvertReport(str(root), strategy, tuple(results[p.folder] for p in plans))
+
+
+def _stage_all(todo: list, staged: list, results: dict, strategy: str, load: bool, console, min_bytes: int) -> None:
+    """Write and check every folder's files in its staging folder; stop at the first that fails a check."""
+    total = 2 * sum(p.nbytes for p in todo)
+    with Progress(console, "dsfix convert", total=total, min_total=min_bytes) as bar:
+        bar.phase("converting (write, then compare)")
+        for plan in todo:
+            staging, written, checks = _stage(plan, load, bar.advance)
+            staged.append((plan, staging, written, checks))
+            if not all(c.ok for c in checks):
+                results[plan.folder] = _failed(plan, strategy, checks)
+                break
+
+
+def _converted(plan: _Plan, strategy: str, written: list, checks: list, remove_bin: bool) -> FolderResult:
+    removed = _remove_bins(plan) if remove_bin else []
+    return FolderResult(
+        str(plan.folder), ConvertStatus.CONVERTED, True, tuple(checks), kind=plan.kind, strategy=strategy,
+        source=tuple(plan.source), written=tuple(written), tensors=sum(len(v) for v in plan.out.values()),
+        restored=tuple(plan.restored), dropped=tuple(plan.dropped), removed=tuple(removed),
+        bytes_written=plan.nbytes, mmap=plan.mmap)
 
 
 def _failed(plan: _Plan, strategy: str, checks=None) -> FolderResult:
@@ -246,41 +251,42 @@ def _failed(plan: _Plan, strategy: str, checks=None) -> FolderResult:
 # --------------------------------------------------------------------------- reading
 
 
-def _read(folder: Path) -> _Plan:
-    """What the folder holds, its .bin files loaded weights-only. Raises DsfixError (code 2) on bad input."""
-    if not folder.is_dir():
-        raise DsfixError("no such folder", path=str(folder))
-    has_st = (folder / SINGLE_NAME).is_file() or (folder / INDEX_NAME).is_file()
+def _survey(folder: Path) -> _Plan:
+    """What the folder holds, from its file names (no torch): the .bin files to convert, or why there is
+    nothing to convert. Raises DsfixError (code 2) on bad input."""
+    need_folder(folder)
+    st_name = next((n for n in (SINGLE_NAME, INDEX_NAME) if (folder / n).is_file()), None)
     if (folder / BIN_INDEX_NAME).is_file():
         source, sharded = _bin_shards(folder), True
     elif (folder / BIN_NAME).is_file():
         source, sharded = [BIN_NAME], False
-    elif has_st:
-        return _Plan(folder, [], False, already=f"it already holds safetensors weights "
-                                                f"({SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME})")
+    elif st_name is not None:
+        return _Plan(folder, [], False, already=f"it is already safetensors ({st_name})")
     else:
         others = sorted(p.name for p in folder.glob("*.bin"))
         found = f"; found only {examples(others)}" if others else ""
         raise DsfixError(f"no {BIN_NAME} or {BIN_INDEX_NAME} here, nor actor/, critic/ or actor_ema/ with one{found}",
                          path=str(folder))
-    if has_st:
-        what = SINGLE_NAME if (folder / SINGLE_NAME).is_file() else INDEX_NAME
-        return _Plan(folder, source, sharded, already=f"{what} is already there beside {examples(source)} "
-                                                      f"(remove {what} to convert again)")
+    if st_name is not None:
+        return _Plan(folder, source, sharded, already=f"{st_name} is already there beside {examples(source)} "
+                                                      f"(remove {st_name} to convert again)")
     if not (folder / CONFIG_NAME).is_file():
         raise DsfixError(f"no {CONFIG_NAME}: convert needs the model's config to check the weights", path=str(folder))
-    plan = _Plan(folder, source, sharded)
-    for i, name in enumerate(source):
-        state, mapped = load_bin(folder / name)
+    return _Plan(folder, source, sharded)
+
+
+def _load(plan: _Plan) -> None:
+    """Load the folder's .bin files, weights-only (torch)."""
+    for i, name in enumerate(plan.source):
+        state, mapped = load_bin(plan.folder / name)
         plan.mmap = plan.mmap and mapped
         for key, tensor in state.items():
             if key in plan.state:
-                raise DsfixError(f"{key} is in both {source[plan.origin[key]]} and {name}", path=str(folder))
+                raise DsfixError(f"{key} is in both {plan.source[plan.origin[key]]} and {name}", path=str(plan.folder))
             plan.state[key] = tensor
             plan.origin[key] = i
     if not plan.state:
-        raise DsfixError(f"{examples(source)} holds no tensors", path=str(folder))
-    return plan
+        raise DsfixError(f"{examples(plan.source)} holds no tensors", path=str(plan.folder))
 
 
 def _bin_shards(folder: Path) -> list:
@@ -357,8 +363,34 @@ def _plan_tensors(plan: _Plan, strategy: str) -> None:
     except Exception as e:
         plan.checks.append(Check("keys", False, f"cannot build the model of {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
         return
+    keep, tied_bad = _tie_aliases(plan, strategy, expected, tie_groups)
+    plan.out = _out_files(plan, keep)
+    head = Header(files=list(plan.out))
+    for name, tensors in plan.out.items():
+        for key, t in tensors.items():
+            head.entries[key] = (tuple(int(d) for d in t.shape), ck.dtype_code(str(t.dtype)), name)
+    keys = ck.keys_check(head, expected, tie_groups)
+    if plan.kind == v.CRITIC:
+        keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
+    plan.checks.append(keys)
+    plan.checks.append(ck.shapes_check(head, expected))
+    plan.checks.append(ck.nonempty_check(head))
+    plan.checks.append(ck.dtype_check(head, cfg_dtype)[0])
+    if tied_bad:
+        plan.checks.append(Check("tied", False, f"tied aliases in the .bin differ from their partner: "
+                                                f"{examples(tied_bad)}; refusing to pick one"))
+    elif tie_groups:
+        done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
+        plan.checks.append(Check("tied", True, examples(done) if done else "nothing to restore or drop"))
+    else:
+        plan.checks.append(Check("tied", True, f"{built} ties no tensors: nothing to restore"))
 
-    keep = dict(plan.state)  # key -> tensor, in the .bin's order
+
+def _tie_aliases(plan: _Plan, strategy: str, expected: dict, tie_groups: list) -> tuple[dict, list]:
+    """(key -> tensor to write, in the .bin's order; tied aliases that differ from their partner). clone
+    restores an alias the .bin lacks from its partner; dedupe drops one it holds. Fills plan.partner,
+    plan.restored and plan.dropped."""
+    keep = dict(plan.state)
     partner = {k: k for k in keep}
     tied_bad = []
     for group in tie_groups:
@@ -379,37 +411,19 @@ def _plan_tensors(plan: _Plan, strategy: str) -> None:
                     partner[missing] = first
                     plan.restored.append(f"{missing} <- {first}")
     plan.partner = partner
+    return keep, tied_bad
 
-    # the output files: one, or one shard per input shard (the restored alias beside its partner)
-    if plan.sharded:
-        groups: dict = {}
-        for key in keep:
-            groups.setdefault(plan.origin[partner[key]], {})[key] = keep[key]
-        filled = [groups[i] for i in sorted(groups)]
-        n = len(filled)
-        plan.out = {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(filled)}
-    else:
-        plan.out = {SINGLE_NAME: keep}
 
-    head = Header(files=list(plan.out))
-    for name, tensors in plan.out.items():
-        for key, t in tensors.items():
-            head.entries[key] = (tuple(int(d) for d in t.shape), ck.dtype_code(str(t.dtype)), name)
-    keys = ck.keys_check(head, expected, tie_groups)
-    if plan.kind == v.CRITIC:
-        keys = keys._replace(detail=f"{keys.detail} (critic: {built})")
-    plan.checks.append(keys)
-    plan.checks.append(ck.shapes_check(head, expected))
-    plan.checks.append(ck.nonempty_check(head))
-    plan.checks.append(ck.dtype_check(head, cfg_dtype)[0])
-    if tied_bad:
-        plan.checks.append(Check("tied", False, f"tied aliases in the .bin differ from their partner: "
-                                                f"{examples(tied_bad)}; refusing to pick one"))
-    elif tie_groups:
-        done = [f"restored {r}" for r in plan.restored] + [f"dropped {d} (dedupe)" for d in plan.dropped]
-        plan.checks.append(Check("tied", True, examples(done) if done else "nothing to restore or drop"))
-    else:
-        plan.checks.append(Check("tied", True, f"{built} ties no tensors: nothing to restore"))
+def _out_files(plan: _Plan, keep: dict) -> dict:
+    """file name -> {key: tensor}: one file, or one shard per input shard (a restored alias beside its partner)."""
+    if not plan.sharded:
+        return {SINGLE_NAME: keep}
+    groups: dict = {}
+    for key in keep:
+        groups.setdefault(plan.origin[plan.partner[key]], {})[key] = keep[key]
+    filled = [groups[i] for i in sorted(groups)]
+    n = len(filled)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(filled)}
 
 
 def _source_detail(plan: _Plan) -> str:
@@ -565,17 +579,3 @@ def _remove_bins(plan: _Plan) -> list:
             raise DsfixError(f"converted, but cannot remove {name}: {e.strerror or e}", path=str(plan.folder))
     fsync(plan.folder)
     return removed
-
-
-@contextmanager
-def _progress(console, total: int, min_bytes: int):
-    """advance(nbytes): a rich progress bar on ``console`` when it is a terminal and the data is large."""
-    if console is None or not console.is_terminal or total < min_bytes:
-        yield lambda n: None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("converting (write, then compare)"), BarColumn(), DownloadColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("convert", total=total)
-        yield lambda n: bar.advance(task, n)

@@ -45,9 +45,10 @@ from patcher.checkpoint.checks import (
 )
 from patcher.checkpoint.convert import ConvertStatus
 from patcher.checkpoint.files import fsync
-from patcher.checkpoint.verify import Checks, expected_of, load_check, meta_model, verify_folder
-from patcher.errors import DsfixError, Written
-from patcher.report import Result
+from patcher.checkpoint.progress import Progress
+from patcher.checkpoint.verify import expected_of, load_check, meta_model, verify_folder
+from patcher.errors import DsfixError, Written, stop_point
+from patcher.report import Checks, Result
 
 LATEST = "latest"
 STAGING_PREFIX = ".dsfix-convert-"
@@ -138,6 +139,9 @@ def load_pt(path: Path) -> dict:
     """A DeepSpeed ``.pt`` file, weights-only with :data:`ALLOWED`, memory-mapped. Raises DsfixError (code 2)."""
     import pickle
 
+    from patcher.checkpoint.quiet import import_torch_quietly
+
+    import_torch_quietly()  # the first torch import of an engine convert, after its input was checked
     import torch
 
     if not path.is_file():
@@ -368,10 +372,6 @@ class EngineResult(Result, Checks):
     warnings = ()
 
     @property
-    def exit_code(self) -> int:
-        return self.status.exit_code
-
-    @property
     def message(self) -> str:
         if not self.ok:
             return f"not converted {self.path}: {self.note or 'a check failed'}; nothing written"
@@ -504,8 +504,8 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
     if strategy not in STRATEGIES:
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
     if config is None or output is None:
-        raise DsfixError("a DeepSpeed engine checkpoint holds no config or tokenizer: convert needs "
-                         "--config MODEL_DIR (the model's config.json and tokenizer) and --output OUT_DIR", path=str(path))
+        raise DsfixError("a DeepSpeed engine checkpoint, without config or tokenizer: convert needs --config "
+                         "MODEL_DIR (config.json, tokenizer) and --output OUT_DIR", path=str(path))
     config, output = Path(config), Path(output)
     if not (config / CONFIG_NAME).is_file():
         raise DsfixError(f"--config: no {CONFIG_NAME} in this folder", path=str(config))
@@ -569,8 +569,10 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
             return EngineResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(checks), stage=stage, tensors=len(entries),
                                 note="a check of the written folder failed", **base)
         try:
+            stop_point("engine.staged")
             os.rename(staging, output)  # onto a missing or empty folder: atomic
             Written.mark()  # an interrupt from here on leaves the converted folder in place
+            stop_point("engine.renamed")
         except OSError as e:
             raise DsfixError(f"cannot move the converted folder into place: {e.strerror or e}; nothing written",
                              path=str(output))
@@ -785,13 +787,7 @@ def _stream(layout: Layout, meta: dict, world: int, put) -> int:
 
 @contextmanager
 def _progress(console, total: int, min_bytes: int):
-    """advance(nbytes): a rich progress bar on ``console`` when it is a terminal and the data is large."""
-    if console is None or not getattr(console, "is_terminal", False) or total < min_bytes:
-        yield lambda n: None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("converting (rank by rank)"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("convert", total=total)
-        yield lambda n: bar.advance(task, n)
+    """advance(nbytes): progress on ``console`` (a bar on a terminal, else plain lines) when the data is large."""
+    with Progress(console, "dsfix convert", total=total, min_total=min_bytes) as bar:
+        bar.phase("converting (rank by rank)")
+        yield bar.advance

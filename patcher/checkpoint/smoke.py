@@ -26,23 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from patcher.checkpoint.quiet import quiet
+from patcher.checkpoint.progress import Progress
+from patcher.checkpoint.quiet import import_torch_quietly, quiet
 from patcher.checkpoint.ranks import free_port, rank_env
-from patcher.errors import DsfixError
+from patcher.errors import DsfixError, Written, need_folder, refuse_file, stop_point
 from patcher.prereq import require
-from patcher.report import Result, Verdict
-from patcher.resources import resource_path
-from patcher.checkpoint.verify import Check, Checks, checks_table, load_check, verify_folder
+from patcher.report import Checks, Result, Verdict
+from patcher.resources import BUNDLED_CONFIG, BUNDLED_TENSORS, resource_path
+from patcher.checkpoint.verify import Check, checks_table, load_check, verify_folder
 from patcher.patch.names import SAVE_HF, SAVE_Z3
 
 DTYPES = ("bf16", "fp16", "fp32")
-DEFAULT_CONFIG = "models/qwen3-0.6b/config.json"
 _RANK_CHECKS = ("functions", "setup", "save")  # checks about the ranks themselves; their log tail helps
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds patcher/, for the ranks
 
 
 @dataclass(frozen=True)
-class SmokeReport(Checks, Result):
+class SmokeReport(Result, Checks):
     ok: bool
     checks: tuple  # of Check(name, ok, detail)
     timings: dict  # phase -> seconds (rank 0's phases, plus launch/verify/reload here)
@@ -52,6 +52,7 @@ class SmokeReport(Checks, Result):
     nproc: int
     load_method: Optional[str]  # "import" or "ast" (None when the ranks never got that far)
     load_detail: Optional[str]
+    load_note: Optional[str] = None  # why the import failed, when that is worth a warning (not a missing DeepSpeed)
     functions: tuple = ()  # the save functions found in the checkout
     backend: Optional[str] = None  # gloo / nccl when a DeepSpeed engine ran
     launcher: Optional[str] = None  # the command that started the ranks, if any
@@ -68,10 +69,6 @@ class SmokeReport(Checks, Result):
         return Verdict.of(self.ok)
 
     @property
-    def exit_code(self) -> int:
-        return self.status.exit_code
-
-    @property
     def message(self) -> str:
         if self.ok:
             return f"smoke passed: {self.tensors} tensors saved and verified"
@@ -79,14 +76,11 @@ class SmokeReport(Checks, Result):
 
     @property
     def warnings(self) -> list:
-        if self.load_method == "ast":
-            return [f"the save functions were read from utils.py with ast: {self.load_detail}"]
-        return []
+        return [self.load_note] if self.load_note else []
 
     def body(self) -> dict:
         return {
             "ok": self.ok,
-            "status": self.status.value,
             "checks": [c._asdict() for c in self.checks],
             "timings": self.timings,
             "device": self.device,
@@ -96,6 +90,7 @@ class SmokeReport(Checks, Result):
             "backend": self.backend,
             "load_method": self.load_method,
             "load_detail": self.load_detail,
+            "load_note": self.load_note,
             "functions": list(self.functions),
             "launcher": self.launcher,
             "peak_rss_mb": self.peak_rss_mb,
@@ -111,11 +106,16 @@ class SmokeReport(Checks, Result):
 # --------------------------------------------------------------------------- inputs
 
 
-def _utils_defines(utils_path: Path) -> set:
+def _utils_defines(checkout) -> set:
+    """The top-level functions of the checkout's utils.py; a file that does not parse is refused in the one
+    form every verb uses: ``FILE:LINE: does not parse: <Python's message>``."""
+    rel = checkout.rel(checkout.utils_path)
     try:
-        tree = ast.parse(utils_path.read_bytes(), filename=str(utils_path))
-    except (OSError, SyntaxError, ValueError) as e:
-        raise DsfixError(f"cannot parse: {e}", path=str(utils_path)) from None
+        tree = ast.parse(checkout.utils_path.read_bytes(), filename=rel)
+    except SyntaxError as e:
+        raise DsfixError(f"does not parse: {e.msg}", path=rel, line=e.lineno) from None
+    except (OSError, ValueError) as e:
+        raise DsfixError(f"cannot be read: {getattr(e, 'strerror', None) or e}", path=rel) from None
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
@@ -138,16 +138,42 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _prepare_out(keep) -> tuple[Path, Optional[Path]]:
-    """(folder the save writes to, temp dir to remove afterwards or None)."""
+def _check_keep(keep) -> None:
+    """--keep: a new folder, or an empty one (refused before anything is built)."""
+    if keep is None:
+        return
+    refuse_file(keep)
+    if Path(keep).is_dir() and any(Path(keep).iterdir()):
+        raise DsfixError("--keep folder must be new or empty", path=str(keep))
+
+
+@contextlib.contextmanager
+def _out_folder(keep):
+    """The folder the save writes to. Without --keep, a temporary folder, always removed. With --keep, the
+    folder kept when smoke ends; when it does not end (Ctrl-C, an error), smoke takes back what it made:
+    the folder (and the parents it created) or, for an empty folder that was there, what was written in it."""
     if keep is None:
         tmp = Path(tempfile.mkdtemp(prefix="dsfix-smoke-out-"))
-        return tmp / "output", tmp
-    out = Path(keep)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DsfixError("--keep folder must be new or empty", path=str(out))
+        try:
+            yield tmp / "output"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    out = Path(keep).absolute()
+    made = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)  # the top folder smoke makes
     out.mkdir(parents=True, exist_ok=True)
-    return out.resolve(), None
+    try:
+        yield out.resolve()
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        else:
+            for child in list(out.iterdir()):
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink()
+        raise
 
 
 # --------------------------------------------------------------------------- running the ranks
@@ -260,21 +286,51 @@ class _capture_stdout:
 
 
 def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage: int = 0, nproc: int = 1,
-              expect: Optional[int] = 311, keep=None, model_dir=None, config_path=None, console=None,
+              expect: Optional[int] = BUNDLED_TENSORS, keep=None, model_dir=None, config_path=None, console=None,
               train_steps: int = 1, seed: int = 1234, timeout: float = 1800) -> SmokeReport:
     """Save a model with the checkout's patched functions as step 1 would, and check what was written.
 
-    ``checkout``: a :class:`patcher.patch.locate.Checkout` or a path. Raises DsfixError (code 2) on bad input,
-    including a checkout whose utils.py has no ``save_hf_format_safetensors``; failing checks give ok=False.
+    ``checkout``: a :class:`patcher.patch.locate.Checkout` or a path. ``expect``: the tensors the folder must
+    hold (None: no count). ``console``: where progress goes (None: nowhere). Raises DsfixError (code 2) on bad
+    input, including a checkout whose utils.py has no ``save_hf_format_safetensors``, all before torch is
+    imported; failing checks give ok=False. With ``keep``, the folder is left only when smoke ends.
     """
     from patcher.patch.locate import Checkout, find_checkout
 
-    if console is None:
-        from rich.console import Console
-
-        console = Console(stderr=True)
     if not isinstance(checkout, Checkout):
         checkout = find_checkout(checkout)
+    model_dir, config_path = _check_inputs(checkout, dtype, zero_stage, nproc, device, model_dir, config_path)
+    _check_keep(keep)
+    import_torch_quietly()  # the input holds: torch now, with the noise of torch before 2.3 captured
+    device = resolve_device(device)
+    import_root, module_name = _import_root(checkout)
+    spec = {
+        "utils_path": str(checkout.utils_path), "import_root": str(import_root), "module_name": module_name,
+        "device": device, "dtype": dtype, "zero_stage": zero_stage, "engine": zero_stage > 0 or nproc > 1,
+        "seed": seed, "train_steps": train_steps, "dist_timeout": int(min(timeout, 1800)),
+        # absolute: the ranks run in the work folder
+        "config_path": str(config_path.resolve()) if config_path is not None else None,
+        "model_dir": str(model_dir.resolve()) if model_dir is not None else None,
+    }
+    work = Path(tempfile.mkdtemp(prefix="dsfix-smoke-"))
+    try:
+        with _out_folder(keep) as out_dir:
+            spec.update(out_dir=str(out_dir), work_dir=str(work))
+            with _capture_stdout(work / "stdout.log") as captured, quiet():  # nothing of theirs on stdout
+                report = _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
+                              kept=out_dir if keep is not None else None)
+        if not report.ok and not report.log_tail and not spec["engine"]:
+            report = dataclasses.replace(report, log_tail=captured.tail())
+        if keep is not None:
+            Written.mark()  # the saved folder is complete and kept
+        stop_point("smoke.done")
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_inputs(checkout, dtype, zero_stage, nproc, device, model_dir, config_path) -> tuple:
+    """Refuse bad options, a missing requirement and an unpatched checkout: (model folder, config file)."""
     if dtype not in DTYPES:
         raise DsfixError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if zero_stage not in (0, 1, 2, 3):
@@ -284,105 +340,92 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
     if model_dir is not None and config_path is not None:
         raise DsfixError("give --model or --config, not both")
     need_ds = f"--zero-stage {zero_stage}" if zero_stage > 0 else (f"--nproc {nproc}" if nproc > 1 else None)
-    require("smoke", deepspeed=need_ds, cuda=device == "cuda")  # before anything expensive: find_spec only
+    require("smoke", deepspeed=need_ds, cuda=device == "cuda")  # find_spec only
     if model_dir is not None:
         model_dir = Path(model_dir)
+        need_folder(model_dir)
         if not (model_dir / "config.json").is_file():
             raise DsfixError("not a model folder (no config.json)", path=str(model_dir))
     else:
-        config_path = Path(config_path) if config_path is not None else resource_path("fixtures", DEFAULT_CONFIG)
+        config_path = Path(config_path) if config_path is not None else resource_path("fixtures", BUNDLED_CONFIG)
         if not config_path.is_file():
             raise DsfixError("no such config file", path=str(config_path))
-    defined = _utils_defines(checkout.utils_path)
-    if SAVE_HF not in defined:
+    if SAVE_HF not in _utils_defines(checkout):
         raise DsfixError(f"{checkout.rel(checkout.utils_path)} defines no {SAVE_HF}: this checkout was never "
                          "patched: run `dsfix apply` first", path=str(checkout.root))
-    device = resolve_device(device)
-    use_engine = zero_stage > 0 or nproc > 1
-    out_dir, out_tmp = _prepare_out(keep)
-    work = Path(tempfile.mkdtemp(prefix="dsfix-smoke-"))
-    import_root, module_name = _import_root(checkout)
-    spec = {
-        "utils_path": str(checkout.utils_path), "import_root": str(import_root), "module_name": module_name,
-        "out_dir": str(out_dir), "work_dir": str(work), "device": device, "dtype": dtype,
-        "zero_stage": zero_stage, "engine": use_engine, "seed": seed, "train_steps": train_steps,
-        # absolute: the ranks run in the work folder
-        "config_path": str(config_path.resolve()) if config_path is not None else None,
-        "model_dir": str(model_dir.resolve()) if model_dir is not None else None,
-        "dist_timeout": int(min(timeout, 1800)),
-    }
-    try:
-        with _capture_stdout(work / "stdout.log") as captured, quiet():  # nothing of theirs on stdout
-            report = _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
-                          kept=out_dir if keep is not None else None)
-        if not report.ok and not report.log_tail and not spec["engine"]:
-            report = dataclasses.replace(report, log_tail=captured.tail())
-        return report
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if out_tmp is not None:
-            shutil.rmtree(out_tmp, ignore_errors=True)
+    return model_dir, config_path
 
 
 def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> SmokeReport:
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    zero, device = int(spec["zero_stage"]), spec["device"]
-    checks: list = []
+    """Save (in this process or in ranks), then verify the folder and reload it, with progress on ``console``."""
+    how = f"{nproc} rank(s), DeepSpeed ZeRO-{spec['zero_stage']}" if spec["engine"] else \
+        "in this process, no DeepSpeed engine"
     timings: dict = {}
-    launcher = None
-    log_tail = ""
-    how = f"{nproc} rank(s), DeepSpeed ZeRO-{zero}" if spec["engine"] else "in this process, no DeepSpeed engine"
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task(f"building and saving ({how})")
+    with Progress(console, "dsfix smoke") as progress:
+        progress.phase(f"building and saving ({how})")
 
         def on_phase(name):
-            progress.update(task, description=f"rank 0: {name} ({how})")
+            progress.phase(f"rank 0: {name} ({how})")
+            stop_point(f"smoke.{name}")
 
-        t = time.perf_counter()
-        if spec["engine"]:
-            launcher = " ".join(["python"] + launcher_command(nproc, "SPEC.json")[1:])
-            try:
-                results, log_tail, rc = _launch(spec, nproc, timeout, on_phase)
-            except subprocess.TimeoutExpired:
-                results, rc = [], None
-                log_tail = _tail(Path(spec["work_dir"]) / "ranks.log")
-                checks.append(Check("save", False, f"the ranks did not finish within {timeout:.0f}s (killed)"))
-        else:
-            import patcher.checkpoint.smoke_worker as worker
-
-            spec["distributed"] = False
-            results, rc = [worker.run_rank(spec)], 0  # run_smoke has stdout on stderr already
-        if spec["engine"]:  # in this process, rank 0's own phases below say where the time went
-            timings["ranks"] = round(time.perf_counter() - t, 3)
+        results, rc, log_tail, launcher, checks = _save(spec, nproc, timeout, on_phase, timings)
         r0 = next((r for r in results if r.get("rank") == 0), None)
-        if r0 is not None:
-            timings.update({k: v for k, v in r0.get("timings", {}).items()})
-        errors = [r for r in results if r.get("error")]
-        if not checks:
-            checks.extend(_rank_checks(results, r0, errors, rc, nproc, zero, Path(spec["work_dir"])))
-
-        weights_written = any(c.name == "save" and c.ok for c in checks)
         vreport = None
-        if weights_written or (r0 is not None and r0.get("phase") == "save"):
-            progress.update(task, description="verifying the saved folder")
-            t = time.perf_counter()
-            try:
-                if not Path(spec["out_dir"]).is_dir():
-                    raise DsfixError("the save wrote nothing: no output folder, no model weights")
-                vreport = verify_folder(spec["out_dir"], expect=expect, load=False)
-                checks.extend(vreport.checks)
-            except DsfixError as e:
-                checks.append(Check("weights", False, e.message))
-            timings["verify"] = round(time.perf_counter() - t, 3)
+        if any(c.name == "save" and c.ok for c in checks) or (r0 is not None and r0.get("phase") == "save"):
+            progress.phase("verifying the saved folder")
+            stop_point("smoke.verify")
+            vreport = _verify_saved(spec, expect, checks, timings)
         if vreport is not None and vreport.check("config") and vreport.check("config").ok:
-            progress.update(task, description="reloading with from_pretrained and comparing logits")
+            progress.phase("reloading with from_pretrained and comparing logits")
             t = time.perf_counter()
-            checks.extend(_reload_checks(spec, device))
+            checks.extend(_reload_checks(spec, spec["device"]))
             timings["reload"] = round(time.perf_counter() - t, 3)
+    return _report(spec, nproc, results, r0, checks, timings, launcher, log_tail, vreport, kept)
 
-    ok = bool(checks) and all(c.ok for c in checks)
+
+def _save(spec: dict, nproc: int, timeout: float, on_phase, timings: dict) -> tuple:
+    """Run the save: (rank results, launcher exit code, log tail, launcher command, checks about the ranks)."""
+    checks, launcher, log_tail = [], None, ""
+    t = time.perf_counter()
+    if spec["engine"]:
+        launcher = " ".join(["python"] + launcher_command(nproc, "SPEC.json")[1:])
+        try:
+            results, log_tail, rc = _launch(spec, nproc, timeout, on_phase)
+        except subprocess.TimeoutExpired:
+            results, rc = [], None
+            log_tail = _tail(Path(spec["work_dir"]) / "ranks.log")
+            checks.append(Check("save", False, f"the ranks did not finish within {timeout:.0f}s (killed)"))
+        timings["ranks"] = round(time.perf_counter() - t, 3)  # in this process, rank 0's own phases tell
+    else:
+        import patcher.checkpoint.smoke_worker as worker
+
+        spec["distributed"] = False
+        results, rc = [worker.run_rank(spec, on_phase)], 0  # run_smoke has stdout on stderr already
+    r0 = next((r for r in results if r.get("rank") == 0), None)
+    if r0 is not None:
+        timings.update(r0.get("timings", {}))
+    if not checks:
+        errors = [r for r in results if r.get("error")]
+        checks.extend(_rank_checks(results, r0, errors, rc, nproc, int(spec["zero_stage"]), Path(spec["work_dir"])))
+    return results, rc, log_tail, launcher, checks
+
+
+def _verify_saved(spec: dict, expect, checks: list, timings: dict):
+    """verify's checks on the saved folder (no load: the reload follows), added to ``checks``."""
+    t = time.perf_counter()
+    vreport = None
+    try:
+        if not Path(spec["out_dir"]).is_dir():
+            raise DsfixError("the save wrote nothing: no output folder, no model weights")
+        vreport = verify_folder(spec["out_dir"], expect=expect, load=False)
+        checks.extend(vreport.checks)
+    except DsfixError as e:
+        checks.append(Check("weights", False, e.message))
+    timings["verify"] = round(time.perf_counter() - t, 3)
+    return vreport
+
+
+def _report(spec, nproc, results, r0, checks, timings, launcher, log_tail, vreport, kept) -> SmokeReport:
     peak = {"this process": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     cuda = None
     for r in results:
@@ -391,21 +434,21 @@ def _run(spec: dict, *, nproc: int, expect, console, timeout: float, kept) -> Sm
         if r.get("cuda_peak_mb") is not None:
             cuda = cuda or {}
             cuda[f"rank {r['rank']}"] = r["cuda_peak_mb"]
-    if cuda is None and device == "cuda":
+    if cuda is None and spec["device"] == "cuda":
         import torch
 
         cuda = {"this process": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
-    report = SmokeReport(
-        ok=ok, checks=tuple(checks), timings=timings,
-        device=(r0 or {}).get("device", device), dtype=spec["dtype"], zero_stage=zero, nproc=nproc,
-        load_method=(r0 or {}).get("load_method"), load_detail=(r0 or {}).get("load_detail"),
-        functions=tuple((r0 or {}).get("functions", ())), backend=(r0 or {}).get("backend"),
+    r0 = r0 or {}
+    return SmokeReport(
+        ok=bool(checks) and all(c.ok for c in checks), checks=tuple(checks), timings=timings,
+        device=r0.get("device", spec["device"]), dtype=spec["dtype"], zero_stage=int(spec["zero_stage"]),
+        nproc=nproc, load_method=r0.get("load_method"), load_detail=r0.get("load_detail"),
+        load_note=r0.get("load_note"), functions=tuple(r0.get("functions", ())), backend=r0.get("backend"),
         launcher=launcher, peak_rss_mb=peak, cuda_peak_mb=cuda,
-        tensors=vreport.tensors if vreport is not None else None,
-        save_output=(r0 or {}).get("save_output", ""), output_dir=str(kept) if kept is not None else None,
+        tensors=vreport.tensors if vreport is not None else None, save_output=r0.get("save_output", ""),
+        output_dir=str(kept) if kept is not None else None,
         log_tail=log_tail if any(c.name in _RANK_CHECKS and not c.ok for c in checks) else "",
     )
-    return report
 
 
 def _tail(path: Path, n: int = 30) -> str:
@@ -437,8 +480,12 @@ def _rank_checks(results: list, r0: Optional[dict], errors: list, rc, nproc: int
         return [Check("save", False, _no_result_reason(rc, work_dir))]
     if r0.get("load_method"):
         fns = ", ".join(r0.get("functions", [])) or "none"
-        how = ("by importing utils.py" if r0["load_method"] == "import" else
-               "from utils.py's source with ast (it does not import here: see the warning below)")
+        if r0["load_method"] == "import":
+            how = "by importing utils.py"
+        elif r0.get("load_note"):
+            how = "from utils.py's source with ast (it does not import here: see the warning below)"
+        else:
+            how = "from utils.py's source with ast (it imports DeepSpeed, which a save without an engine does not need)"
         checks.append(Check("functions", True, f"{fns}, {how}"))
     if errors:
         first = min(errors, key=lambda r: r["rank"])

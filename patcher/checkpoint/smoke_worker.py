@@ -57,11 +57,17 @@ def _import_isolated(import_root: str, module_name: str):
         sys.modules.update(saved_mods)
 
 
+SAVE_MODULE = "dsfix_safetensors"  # the save module apply copies beside utils.py; utils.py imports it
+NOTE_LIMIT = 159  # a note the user reads stays under 160 characters
+
+
 def extract_definitions(utils_path) -> tuple[dict, list]:
     """Exec only the top-level imports and the dsfix definitions of ``utils_path``; (namespace, skipped imports).
 
-    Imports that fail (deepspeed missing, a relative import) are skipped and listed; the template
-    itself needs only os, json, torch and safetensors at module level.
+    Imports that fail (deepspeed missing, a relative import) are skipped and listed; the inserted code needs
+    only os, json, torch and safetensors at module level. dsfix's save module beside utils.py (imported as
+    ``from . import dsfix_safetensors`` or ``import dsfix_safetensors``, which fail here) is loaded from its
+    file, so the thin wrappers in utils.py find it.
     """
     import __future__
 
@@ -76,11 +82,7 @@ def extract_definitions(utils_path) -> tuple[dict, list]:
             imports.append(node)
         elif isinstance(node, ast.Try) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body):
             imports.append(node)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and is_dsfix_name(node.name):
-            defs.append(node)
-        elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and is_dsfix_name(t.id) for t in node.targets):
-            defs.append(node)
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_dsfix_name(node.target.id):
+        elif _is_dsfix_definition(node):
             defs.append(node)
     ns: dict = {"__name__": "dsfix_smoke_extracted", "__file__": path, "__builtins__": builtins}
 
@@ -92,14 +94,74 @@ def extract_definitions(utils_path) -> tuple[dict, list]:
         try:
             run(node)
         except Exception as e:
-            skipped.append(f"line {node.lineno}: {type(e).__name__}: {e}")
+            if not _binds_save_module(node):
+                skipped.append(f"line {node.lineno}: {type(e).__name__}: {e}")
+    for name in _save_module_names(imports):
+        if name not in ns:
+            ns[name] = _load_save_module(Path(path).parent / f"{SAVE_MODULE}.py")
     for node in defs:
         run(node)
     return ns, skipped
 
 
-def load_save_functions(utils_path, import_root, module_name) -> tuple[dict, str, str]:
-    """({name: function}, "import" or "ast", a sentence on how). Import the normal way, else extract with ast."""
+def _is_dsfix_definition(node) -> bool:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return is_dsfix_name(node.name)
+    if isinstance(node, ast.Assign):
+        return all(isinstance(t, ast.Name) and is_dsfix_name(t.id) for t in node.targets)
+    return isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_dsfix_name(node.target.id)
+
+
+def _save_module_names(imports: list) -> set:
+    """The names the save module is bound to by these import statements (a try's branches included)."""
+    names = set()
+    for node in imports:
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                names.update(a.asname or a.name for a in sub.names if a.name == SAVE_MODULE)
+    return names
+
+
+def _binds_save_module(node) -> bool:
+    return bool(_save_module_names([node]))
+
+
+def _load_save_module(path: Path):
+    """The save module, from its file beside utils.py, under a name of its own (registered while it runs)."""
+    import importlib.util
+
+    if not path.is_file():
+        raise ImportError(f"utils.py imports {SAVE_MODULE}, but there is no {path.name} beside it")
+    name = f"dsfix_smoke_extracted_{SAVE_MODULE}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get(name)
+    sys.modules[name] = module  # dataclasses and typing look a module up by name while it runs
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = saved
+    return module
+
+
+def _missing_deepspeed(exc: BaseException) -> bool:
+    """An import that failed only because DeepSpeed is not installed: expected wherever smoke runs without an
+    engine (README's first command installs no DeepSpeed), so not worth a warning."""
+    return isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "deepspeed"
+
+
+def _note(why: str) -> str:
+    """The one warning smoke shows when it reads the save functions with ast for a reason the user may fix."""
+    text = f"utils.py read with ast: {why}"
+    return text if len(text) <= NOTE_LIMIT else text[:NOTE_LIMIT - 3] + "..."
+
+
+def load_save_functions(utils_path, import_root, module_name) -> tuple[dict, str, str, str | None]:
+    """({name: function}, "import" or "ast", a sentence on how, a note worth a warning or None). Import the
+    normal way, else extract with ast."""
     utils_path = Path(utils_path).resolve()
     try:
         mod = _import_isolated(str(import_root), module_name)
@@ -108,16 +170,18 @@ def load_save_functions(utils_path, import_root, module_name) -> tuple[dict, str
             raise ImportError(f"{module_name} resolved to {where}, not the checkout's file")
         funcs = {n: getattr(mod, n) for n in (SAVE_HF, SAVE_Z3) if callable(getattr(mod, n, None))}
         if SAVE_HF in funcs:
-            return funcs, "import", f"import {module_name}"
+            return funcs, "import", f"import {module_name}", None
         why = f"import {module_name} worked but it has no {SAVE_HF}"
+        note = _note(why)
     except Exception as e:  # ImportError, ModuleNotFoundError, anything the module's top level raises
         why = f"import {module_name} failed ({type(e).__name__}: {e})"
+        note = None if _missing_deepspeed(e) else _note(f"import failed ({type(e).__name__}: {e})")
     ns, skipped = extract_definitions(utils_path)
     funcs = {n: ns[n] for n in (SAVE_HF, SAVE_Z3) if callable(ns.get(n))}
     detail = f"{why}; exec'd its top-level imports and dsfix definitions extracted with ast"
     if skipped:
         detail += f" (skipped imports: {'; '.join(skipped)})"
-    return funcs, "ast", detail
+    return funcs, "ast", detail, note
 
 
 # --------------------------------------------------------------------------- model and tokenizer
@@ -179,18 +243,22 @@ def _ds_config(zero_stage: int, dtype: str) -> dict:
 
 
 class _Phases:
-    """Times each phase and tells the parent (through a small file) which one is running."""
+    """Times each phase and tells the parent which one is running: rank 0 through a small file (the parent
+    polls it), and, in the parent's own process, through ``on_phase`` too."""
 
-    def __init__(self, work_dir: Path, rank: int):
+    def __init__(self, work_dir: Path, rank: int, on_phase=None):
         self.timings: dict = {}
         self.current = "start"
         self._file = work_dir / f"phase-{rank}.txt" if rank == 0 else None
+        self._on_phase = on_phase
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         self.current = name
         if self._file is not None:
             self._file.write_text(name)
+        if self._on_phase is not None:
+            self._on_phase(name)
         t = time.perf_counter()
         try:
             yield
@@ -198,105 +266,39 @@ class _Phases:
             self.timings[name] = round(time.perf_counter() - t, 3)
 
 
-def run_rank(spec: dict) -> dict:
-    """Build, (train,) save and record one rank. Never raises: errors land in result["error"]."""
-    work_dir = Path(spec["work_dir"])
+def run_rank(spec: dict, on_phase=None) -> dict:
+    """Build, (train,) save and record one rank. Never raises (but Ctrl-C): errors land in result["error"].
+    ``on_phase(name)``: called as each phase starts, when the rank runs in the caller's process."""
     distributed = bool(spec.get("distributed"))
     rank = _rank() if distributed else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else 0
     world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
-    phase = _Phases(work_dir, rank)
+    phase = _Phases(Path(spec["work_dir"]), rank, on_phase)
     result: dict = {"rank": rank, "world_size": world, "error": None, "phase": None, "save_output": ""}
     captured = io.StringIO()
     try:
         with phase("load"):
-            funcs, method, how = load_save_functions(spec["utils_path"], spec["import_root"], spec["module_name"])
-            result.update(load_method=method, load_detail=how, functions=sorted(funcs))
-            if SAVE_HF not in funcs:
-                raise RuntimeError(f"{spec['utils_path']} defines no {SAVE_HF}")
+            funcs = _load_phase(spec, result)
         with phase("build"):
-            import torch
-
-            torch_dtype = getattr(torch, DTYPES[spec["dtype"]])
-            if spec["device"] == "cuda":
-                torch.cuda.set_device(local_rank)
-                device = torch.device("cuda", local_rank)
-                torch.cuda.reset_peak_memory_stats(device)
-            else:
-                device = torch.device("cpu")
-            result["device"] = str(device)
-            torch.manual_seed(int(spec["seed"]))
-            tokenizer, tok_how = build_tokenizer(spec)
-            result["tokenizer"] = tok_how
-            model = build_model(spec, torch_dtype)
-            vocab = int(model.config.vocab_size)
-            ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"][:, :16] % vocab
-            if ids.numel() < 4:  # a tokenizer that knows none of the prompt: fixed ids will do
-                ids = (torch.arange(16, dtype=torch.long) * 7919 % vocab).unsqueeze(0)
-            result["state_dict_keys"] = len(model.state_dict())
-        engine = None
+            model, tokenizer, ids, device = _build_phase(spec, result, local_rank)
+        engine, runner, opt = None, model, None
         if spec["engine"]:
             with phase("engine"):
-                import deepspeed
-
-                backend = "nccl" if spec["device"] == "cuda" else "gloo"
-                from datetime import timedelta
-
-                if spec["device"] == "cpu":
-                    skip_shm_allreduce()
-                deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(spec["dist_timeout"])))
-                result["backend"] = backend
-                opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # no optimizer state: low memory
-                engine, *_ = deepspeed.initialize(model=model, optimizer=opt,
-                                                  config=_ds_config(int(spec["zero_stage"]), spec["dtype"]))
-                runner = engine
-                device = engine.device
+                engine, opt = _engine_phase(spec, model, result)
+                runner, device = engine, engine.device
         else:
+            import torch
+
             model.to(device)
-            runner = model
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         ids = ids.to(device)
         if int(spec["train_steps"]) > 0:
             with phase("train"):
-                runner.train()
-                for _ in range(int(spec["train_steps"])):
-                    loss = runner(input_ids=ids, labels=ids).loss
-                    if engine is not None:
-                        engine.backward(loss)
-                        engine.step()
-                    else:
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                result["loss"] = float(loss.detach().float().cpu())
+                _train_phase(spec, runner, engine, opt, ids, result)
         with phase("reference"):
-            runner.eval()
-            with torch.no_grad():
-                logits = runner(input_ids=ids).logits
-            if rank == 0:
-                from safetensors.torch import save_file
-
-                # The attention the logits came from: the reload must run the same one (transformers 4.51
-                # writes _attn_implementation_autoset into config.json, and a plain reload then runs eager).
-                attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
-                save_file({"input_ids": ids.cpu().contiguous(), "logits": logits.detach().cpu().contiguous()},
-                          str(work_dir / REF_FILE), metadata={"attn_implementation": str(attn)} if attn else None)
-            if engine is not None and int(spec["zero_stage"]) == 3:
-                # A no-grad forward leaves ZeRO-3 parameters gathered until the next step; partition them
-                # again, so the save sees what it sees after training: [0]-shaped placeholders.
-                engine.empty_partition_cache()
-                params = list(engine.module.parameters())
-                result["partitioned"] = [sum(1 for p in params if hasattr(p, "ds_id") and p.numel() == 0), len(params)]
+            _reference_phase(spec, runner, engine, model, ids, rank, result)
         with phase("save"):
-            # As step-1 main.py does it, with `model` being what deepspeed.initialize returned.
-            args = Namespace(output_dir=spec["out_dir"], global_rank=rank, local_rank=local_rank,
-                             zero_stage=int(spec["zero_stage"]), dtype=spec["dtype"], seed=int(spec["seed"]))
-            with contextlib.redirect_stdout(captured):
-                if rank == 0:
-                    funcs[SAVE_HF](runner, tokenizer, args)
-                if int(spec["zero_stage"]) == 3 and SAVE_Z3 in funcs:
-                    funcs[SAVE_Z3](runner, rank, args.output_dir, zero_stage=int(spec["zero_stage"]))
-            result["called_z3"] = int(spec["zero_stage"]) == 3 and SAVE_Z3 in funcs
+            _save_phase(spec, funcs, runner, tokenizer, rank, local_rank, captured, result)
         if engine is not None:
             import deepspeed
 
@@ -308,17 +310,119 @@ def run_rank(spec: dict) -> dict:
         if isinstance(e, KeyboardInterrupt):
             raise
     finally:
-        result["save_output"] = captured.getvalue()
-        result["timings"] = phase.timings
-        result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-        if spec.get("device") == "cuda":
-            try:
-                import torch
-
-                result["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(local_rank) / 2**20, 1)
-            except Exception:
-                result["cuda_peak_mb"] = None
+        _finish(spec, result, captured, phase, local_rank)
     return result
+
+
+def _load_phase(spec: dict, result: dict) -> dict:
+    funcs, method, how, note = load_save_functions(spec["utils_path"], spec["import_root"], spec["module_name"])
+    result.update(load_method=method, load_detail=how, load_note=note, functions=sorted(funcs))
+    if SAVE_HF not in funcs:
+        raise RuntimeError(f"{spec['utils_path']} defines no {SAVE_HF}")
+    return funcs
+
+
+def _build_phase(spec: dict, result: dict, local_rank: int) -> tuple:
+    """(model, tokenizer, input ids, device): the model in the spec's dtype, on the CPU or this rank's GPU."""
+    import torch
+
+    torch_dtype = getattr(torch, DTYPES[spec["dtype"]])
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        device = torch.device("cpu")
+    result["device"] = str(device)
+    torch.manual_seed(int(spec["seed"]))
+    tokenizer, result["tokenizer"] = build_tokenizer(spec)
+    model = build_model(spec, torch_dtype)
+    vocab = int(model.config.vocab_size)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"][:, :16] % vocab
+    if ids.numel() < 4:  # a tokenizer that knows none of the prompt: fixed ids will do
+        ids = (torch.arange(16, dtype=torch.long) * 7919 % vocab).unsqueeze(0)
+    result["state_dict_keys"] = len(model.state_dict())
+    return model, tokenizer, ids, device
+
+
+def _engine_phase(spec: dict, model, result: dict) -> tuple:
+    """(engine, optimizer): the model wrapped by deepspeed.initialize, as step 1 wraps it."""
+    from datetime import timedelta
+
+    import deepspeed
+    import torch
+
+    backend = "nccl" if spec["device"] == "cuda" else "gloo"
+    if spec["device"] == "cpu":
+        skip_shm_allreduce()
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(spec["dist_timeout"])))
+    result["backend"] = backend
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # no optimizer state: low memory
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(int(spec["zero_stage"]), spec["dtype"]))
+    return engine, opt
+
+
+def _train_phase(spec: dict, runner, engine, opt, ids, result: dict) -> None:
+    runner.train()
+    for _ in range(int(spec["train_steps"])):
+        loss = runner(input_ids=ids, labels=ids).loss
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    result["loss"] = float(loss.detach().float().cpu())
+
+
+def _reference_phase(spec: dict, runner, engine, model, ids, rank: int, result: dict) -> None:
+    """Rank 0 keeps the logits the reloaded folder must reproduce; under ZeRO-3 the parameters are partitioned
+    again afterwards, so the save sees what it sees after training: [0]-shaped placeholders."""
+    import torch
+
+    runner.eval()
+    with torch.no_grad():
+        logits = runner(input_ids=ids).logits
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        # The attention the logits came from: the reload must run the same one (transformers 4.51 writes
+        # _attn_implementation_autoset into config.json, and a plain reload then runs eager).
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        save_file({"input_ids": ids.cpu().contiguous(), "logits": logits.detach().cpu().contiguous()},
+                  str(Path(spec["work_dir"]) / REF_FILE), metadata={"attn_implementation": str(attn)} if attn else None)
+    if engine is not None and int(spec["zero_stage"]) == 3:
+        # A no-grad forward leaves ZeRO-3 parameters gathered until the next step.
+        engine.empty_partition_cache()
+        params = list(engine.module.parameters())
+        result["partitioned"] = [sum(1 for p in params if hasattr(p, "ds_id") and p.numel() == 0), len(params)]
+
+
+def _save_phase(spec: dict, funcs: dict, runner, tokenizer, rank: int, local_rank: int, captured, result: dict) -> None:
+    """As step-1 main.py does it, with ``runner`` being what deepspeed.initialize returned."""
+    zero = int(spec["zero_stage"])
+    args = Namespace(output_dir=spec["out_dir"], global_rank=rank, local_rank=local_rank, zero_stage=zero,
+                     dtype=spec["dtype"], seed=int(spec["seed"]))
+    with contextlib.redirect_stdout(captured):
+        if rank == 0:
+            funcs[SAVE_HF](runner, tokenizer, args)
+        if zero == 3 and SAVE_Z3 in funcs:
+            funcs[SAVE_Z3](runner, rank, args.output_dir, zero_stage=zero)
+    result["called_z3"] = zero == 3 and SAVE_Z3 in funcs
+
+
+def _finish(spec: dict, result: dict, captured, phase: _Phases, local_rank: int) -> None:
+    result["save_output"] = captured.getvalue()
+    result["timings"] = phase.timings
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    if spec.get("device") == "cuda":
+        try:
+            import torch
+
+            result["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(local_rank) / 2**20, 1)
+        except Exception:
+            result["cuda_peak_mb"] = None
 
 
 def main(argv=None) -> int:

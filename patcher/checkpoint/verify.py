@@ -20,7 +20,6 @@ Two kinds of folder, told apart by their keys:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -29,8 +28,8 @@ from patcher.checkpoint.checks import (
     CONFIG_NAME, INDEX_NAME, Check, Header, dtype_check, examples, keys_check, load_config,
     nonempty_check, read_headers, shape_text, shapes_check, weight_files,
 )
-from patcher.errors import DsfixError
-from patcher.report import Result, Verdict
+from patcher.errors import DsfixError, need_folder
+from patcher.report import Checks, Result, Verdict
 
 STEP3_SUBFOLDERS = ("actor", "critic", "actor_ema")  # what DeepSpeed-Chat's step 3 saves under its output folder
 
@@ -40,22 +39,6 @@ KIND_TEXT = {
     CAUSAL_LM: "causal LM (step-1 model, step-3 actor or EMA)",
     CRITIC: "reward/critic model (rwtransformer.* + v_head.weight, as create_critic_model builds it)",
 }
-
-
-class Checks:
-    """What verify's, smoke's and convert's reports share: a tuple of Check, looked up by name, and JSON."""
-
-    checks: tuple
-
-    def check(self, name: str) -> Optional[Check]:
-        return next((c for c in self.checks if c.name == name), None)
-
-    @property
-    def failed(self) -> tuple:
-        return tuple(c for c in self.checks if not c.ok)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, default=str)
 
 
 @dataclass(frozen=True)
@@ -104,10 +87,6 @@ class VerifyResult(Result):
         return Verdict.of(all(r.ok for r in self.reports))
 
     @property
-    def exit_code(self) -> int:
-        return self.status.exit_code
-
-    @property
     def message(self) -> str:
         if len(self.reports) == 1:
             return self.reports[0].summary
@@ -117,7 +96,7 @@ class VerifyResult(Result):
 
     def body(self) -> dict:
         head = self.reports[0].to_dict() if len(self.reports) == 1 else {}
-        return {**head, "path": self.path, "ok": self.status is Verdict.PASSED, "status": self.status.value,
+        return {**head, "path": self.path, "ok": self.status is Verdict.PASSED,
                 "folders": [r.to_dict() for r in self.reports]}
 
 
@@ -205,20 +184,22 @@ def _holds_weights(folder: Path) -> bool:
 
 
 def verify_path(path, expect: Optional[int] = None, load: bool = True) -> VerifyResult:
-    """``dsfix verify PATH``: every model folder under ``path`` (see model_folders), third-party output off."""
+    """``dsfix verify PATH``: every model folder under ``path`` (see model_folders), third-party output off.
+    Bad input (no such folder, a file, no weights) is refused before torch is imported."""
     from patcher.checkpoint.quiet import quiet
 
+    folders = model_folders(path)
+    for folder in folders:
+        need_folder(folder)
+        weight_files(folder)
     with quiet():
-        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load) for p in model_folders(path)))
+        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load) for p in folders))
 
 
 def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> VerifyReport:
     """Check the model saved in ``path``. Raises DsfixError (code 2) on bad input; failing checks give ok=False."""
     folder = Path(path)
-    if not folder.exists():
-        raise DsfixError("no such folder", path=str(path))
-    if not folder.is_dir():
-        raise DsfixError("is not a folder", path=str(path))
+    need_folder(folder)
     files, weight_map, file_problems = weight_files(folder)
     head = read_headers(folder, files, weight_map)
     problems = file_problems + head.problems

@@ -9,7 +9,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.errors import DsfixError, shown
+from patcher.errors import DsfixError, file_not_folder, shown
 from patcher.patch import state
 from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE_FILE, SAVE_NAMES
 from patcher.patch.resolve import resolve_script
@@ -141,8 +141,7 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
                          path=str(repo))
     start = start.resolve()
     if start.is_file():
-        raise DsfixError("is a file, not a folder; pass the folder that holds it (--main and --script name "
-                         "scripts)", path=_shown_arg(repo))
+        raise file_not_folder(_shown_arg(repo))
     root = _chat_root(start)
     home = root or _step1_base(start)  # what --main and --script are relative to first
     notes = []

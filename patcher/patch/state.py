@@ -23,7 +23,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.errors import LOCKED, DsfixError, Written
+from patcher.errors import LOCKED, DsfixError, Written, file_not_folder, stop_point
 from patcher.patch.plan import Saved, sha256
 
 STATE_DIR = ".dsfix"
@@ -92,8 +92,7 @@ def find_root(repo: str | os.PathLike = ".") -> Path | None:
                          path=str(repo))
     start = start.resolve()
     if start.is_file():
-        raise DsfixError("is a file, not a folder; pass the folder that holds it (--main and --script name "
-                         "scripts)", path=str(repo))
+        raise file_not_folder(repo)
     for d in (start, *start.parents):
         if (d / STATE_DIR / "state.json").is_file() or any(d.glob(f"{STATE_DIR}.old-*")):
             return d
@@ -140,7 +139,7 @@ def recover(root: Path) -> None:
         old = _orphans(root, "old")
         if old:
             os.replace(old[-1], root / STATE_DIR)
-    for p in _orphans(root, "new") + _orphans(root, "old"):
+    for p in _orphans(root, "new") + _orphans(root, "old") + _orphans(root, "gone"):
         shutil.rmtree(p, ignore_errors=True)
 
 
@@ -258,20 +257,27 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
             _build_or_refuse(new_dir, state)
         for target, data in writes:
             temps.append((target, None if data is None else _temp_or_refuse(target, data, rel_of)))
+        stop_point("commit.staged")  # tests: every new byte written aside, nothing swapped yet
         if state is not KEEP:
             swapped = True  # from here, a failure puts the old state folder back
             _swap_state(folder, new_dir, old_dir, state)
+        stop_point("commit.swapped")  # tests: the state folder swapped in, no file renamed yet
         for target, tmp in temps:
             old = target.read_bytes() if target.exists() else None
             _put(target, tmp, rel_of)
             done.append((target, old))
+            stop_point("commit.renamed")  # tests: commit.renamed#N, after the Nth file is in place
         for target, _tmp in temps:
             fsync_dir(target.parent)
     except BaseException:
         _roll_back(done, temps, swapped, folder, new_dir, old_dir, state)
         raise
+    gone = root / f"{STATE_DIR}.gone-{pid}"
+    if old_dir.exists():  # the old state folder is no longer one to put back: a name recover() removes
+        os.replace(old_dir, gone)
     Written.mark()  # every file is in place: an interrupt from here on leaves them written
-    shutil.rmtree(old_dir, ignore_errors=True)
+    stop_point("commit.done")  # tests
+    shutil.rmtree(gone, ignore_errors=True)
     fsync_dir(root)
 
 

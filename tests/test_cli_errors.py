@@ -1,0 +1,154 @@
+"""Every argument error of the torch side answers in one line before torch is imported, and no line dsfix prints
+on these paths is over 200 characters. One real process runs the whole table through ``patcher.cli.main``,
+checking after each row that neither torch nor transformers was imported (a row that imported them would make
+the rows after it fail too: the first failure names the culprit)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from patchkit import CLEAN_ENV, REPO, copy_fixture
+
+pytestmark = pytest.mark.slow  # one real process for the whole table, and three checkout copies: about 6 s
+
+FILE_RULE = "is a file, not a folder; pass the folder that holds it"
+UTILS = "dschat/utils/utils.py"
+
+ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capitals are paths made below)
+    ("verify: no such folder", ["verify", "MISSING"], 2, "dsfix: error: MISSING: no such folder"),
+    ("verify: a file", ["verify", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("verify: no weights", ["verify", "EMPTY"], 2,
+     "dsfix: error: EMPTY: no model weights (model.safetensors or model.safetensors.index.json) in this folder"),
+    ("verify: a .bin folder", ["verify", "BINS"], 2,
+     "dsfix: error: BINS: no safetensors weights, only pytorch_model.bin (a pickle save); nothing to verify "
+     "(`dsfix convert` turns it into safetensors)"),
+    ("verify: no folder given", ["verify"], 2, "dsfix: error: Missing argument 'folder'."),
+    ("convert: no such folder", ["convert", "MISSING"], 2, "dsfix: error: MISSING: no such folder"),
+    ("convert: a file", ["convert", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("convert: an empty folder", ["convert", "EMPTY"], 2,
+     "dsfix: error: EMPTY: no pytorch_model.bin or pytorch_model.bin.index.json here, nor actor/, critic/ or "
+     "actor_ema/ with one"),
+    ("convert: an engine option on a .bin folder", ["convert", "BINS", "--dtype", "bf16"], 2,
+     "dsfix: error: BINS: --dtype is for DeepSpeed engine checkpoints (latest + global_stepN/); this is not one: "
+     "a .bin folder is converted in place"),
+    ("convert: no config.json", ["convert", "BINS"], 2,
+     "dsfix: error: BINS: no config.json: convert needs the model's config to check the weights"),
+    ("convert: already safetensors", ["convert", "SAFETENSORS"], 0,
+     "nothing to convert in SAFETENSORS: it is already safetensors (model.safetensors)"),
+    ("convert: an engine checkpoint without --config", ["convert", "ENGINE"], 2,
+     "dsfix: error: ENGINE: a DeepSpeed engine checkpoint, without config or tokenizer: convert needs --config "
+     "MODEL_DIR (config.json, tokenizer) and --output OUT_DIR"),
+    ("convert: --config names a file", ["convert", "ENGINE", "--config", "FILE", "--output", "EMPTY/out"], 2,
+     f"dsfix: error: FILE: {FILE_RULE}"),
+    ("convert: --remove-bin on an engine checkpoint", ["convert", "ENGINE", "--remove-bin"], 2,
+     "dsfix: error: --remove-bin is for .bin output folders; a DeepSpeed engine checkpoint is left as it is"),
+    ("smoke: a file", ["smoke", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("check: a file", ["check", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("apply: a file", ["apply", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("revert: a file", ["revert", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("smoke: no such folder", ["smoke", "MISSING"], 2,
+     "dsfix: error: MISSING: no such file or folder; pass a DeepSpeed-Chat checkout or a folder inside it"),
+    ("smoke: never patched", ["smoke", "UNPATCHED"], 2,
+     f"dsfix: error: UNPATCHED: {UTILS} defines no save_hf_format_safetensors: this checkout was never patched: "
+     "run `dsfix apply` first"),
+    ("smoke: utils.py does not parse", ["smoke", "BROKEN"], 2, "dsfix: error: PARSE_ERROR"),
+    ("smoke: --model is missing", ["smoke", "PATCHED", "--model", "MISSING"], 2, "dsfix: error: MISSING: no such folder"),
+    ("smoke: --model is a file", ["smoke", "PATCHED", "--model", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("smoke: --model without config.json", ["smoke", "PATCHED", "--model", "EMPTY"], 2,
+     "dsfix: error: EMPTY: not a model folder (no config.json)"),
+    ("smoke: --config is missing", ["smoke", "PATCHED", "--config", "MISSING"], 2,
+     "dsfix: error: MISSING: no such config file"),
+    ("smoke: --model and --config", ["smoke", "PATCHED", "--model", "EMPTY", "--config", "FILE"], 2,
+     "dsfix: error: give --model or --config, not both"),
+    ("smoke: --keep is a file", ["smoke", "PATCHED", "--keep", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("smoke: --keep is not empty", ["smoke", "PATCHED", "--keep", "BINS"], 2,
+     "dsfix: error: BINS: --keep folder must be new or empty"),
+    ("smoke: a bad option value", ["smoke", "PATCHED", "--zero-stage", "5"], 2,
+     "dsfix: error: Invalid value for '--zero-stage': 5 is not in the range 0<=x<=3."),
+    ("demo: --keep is a file", ["demo", "--keep", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("demo: --keep holds a demo checkout", ["demo", "--keep", "KEPT"], 2,
+     "dsfix: error: KEPT/DeepSpeed-Chat already exists; pick an empty --keep folder"),
+]
+
+DRIVER = """
+import contextlib, io, json, sys
+from patcher import cli
+
+rows = []
+for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.main(args)
+            code = None
+        except SystemExit as e:
+            code = e.code
+    rows.append({"code": code, "stderr": err.getvalue(), "stdout": out.getvalue(),
+                 "imported": [m for m in ("torch", "transformers") if m in sys.modules]})
+print(json.dumps(rows))
+"""
+
+
+def _paths(tmp_path) -> dict:
+    """The paths the rows name, made here: folders of each kind, a checkout patched and one that does not parse."""
+    from patcher.patch import flow
+
+    made = {"MISSING": tmp_path / "no" / "such", "FILE": tmp_path / "notes.txt", "EMPTY": tmp_path / "empty",
+            "BINS": tmp_path / "bins", "SAFETENSORS": tmp_path / "st", "ENGINE": tmp_path / "ckpt",
+            "KEPT": tmp_path / "kept"}
+    made["FILE"].write_text("not a folder\n")
+    for key in ("EMPTY", "BINS", "SAFETENSORS", "KEPT"):
+        made[key].mkdir()
+    (made["BINS"] / "pytorch_model.bin").write_bytes(b"")
+    (made["SAFETENSORS"] / "model.safetensors").write_bytes(b"")
+    (made["SAFETENSORS"] / "config.json").write_text("{}")
+    (made["ENGINE"] / "global_step1").mkdir(parents=True)
+    (made["ENGINE"] / "latest").write_text("global_step1")
+    (made["ENGINE"] / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (made["KEPT"] / "DeepSpeed-Chat").mkdir()
+    made["UNPATCHED"] = copy_fixture("package", tmp_path / "unpatched")
+    made["PATCHED"] = copy_fixture("package", tmp_path / "patched")
+    flow.apply(made["PATCHED"])
+    made["BROKEN"] = copy_fixture("package", tmp_path / "broken")
+    flow.apply(made["BROKEN"])
+    utils = made["BROKEN"] / UTILS
+    utils.write_bytes(utils.read_bytes() + b"\n\ndef broken(:\n    pass\n")
+    return made
+
+
+def _python_says(path) -> str:
+    """``FILE:LINE: does not parse: <Python's message>``, as Python itself reports the file."""
+    try:
+        compile(path.read_bytes(), UTILS, "exec")
+    except SyntaxError as e:
+        return f"{UTILS}:{e.lineno}: does not parse: {e.msg}"
+    raise AssertionError("the file parses")
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("errors")
+    made = _paths(tmp_path)
+
+    def fill(text):
+        for key in sorted(made, key=len, reverse=True):
+            text = text.replace(key, str(made[key]))
+        return text.replace("PARSE_ERROR", _python_says(made["BROKEN"] / UTILS))
+
+    argv = [[fill(a) for a in row[1]] for row in ROWS]
+    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argv)], env={**CLEAN_ENV, "PYTHONPATH": str(REPO)},
+                       capture_output=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    return {row[0]: (answer, row[2], fill(row[3])) for row, answer in zip(ROWS, json.loads(p.stdout))}
+
+
+@pytest.mark.parametrize("name", [row[0] for row in ROWS])
+def test_answers_in_one_line_before_torch(answers, name):
+    answer, code, line = answers[name]
+    assert answer["stderr"].splitlines() == [line] and answer["code"] == code, answer
+    assert answer["imported"] == [], f"{name}: imported {answer['imported']} before answering"
+    assert all(len(text) <= 200 for text in answer["stderr"].splitlines())
