@@ -190,6 +190,9 @@ def _drop(loop: str, params: str = "model, tokenizer, args, sub_folder=''"):
 FILTERS = [  # (how the save drops keys, dsfix's drop= or the refusal's words); None: upstream's rule
     ("for key in list(save_dict.keys()):\n    if 'lora' in key:\n        del save_dict[key]\n", None),
     ("save_dict = {k: v for k, v in save_dict.items() if 'lora' not in k}\n", None),
+    # upstream's test written twice, once for the parameters and once for the buffers (a ChatGLM port)
+    ("out = {}\nfor k, v in model.named_parameters():\n    if 'lora' not in k:\n        out[k] = v\n"
+     "for name, b in model.named_buffers():\n    if 'lora' not in name:\n        out[name] = b\n", None),
     ("", "lambda name: False"),
     ("for key in list(save_dict.keys()):\n    if 'svd' in key or 'sigma' in key:\n        del save_dict[key]\n",
      "lambda name: 'svd' in name or 'sigma' in name"),

@@ -232,3 +232,21 @@ def test_readme_test_command_is_what_ci_runs():
     assert len(lines) == 2 and lines[0].endswith("dsfix demo") and lines[1].endswith("python -m pytest -q")
     for part in ("'torch==2.13.0'", "DS_BUILD_OPS=0", "-e '.[test]'", "python -m pytest -q"):
         assert part in lines[1] and part in ci, part
+
+
+@pytest.mark.slow
+def test_options_recorded_in_a_checkout_below_are_used_from_the_repositorys_top(tmp_path):
+    """dsfix run from the top of a DeepSpeedExamples clone finds applications/DeepSpeed-Chat and the options
+    its last apply recorded there (a plain apply kept forgetting --script, found in the fork survey)."""
+    chat = tmp_path / "DeepSpeedExamples" / "applications" / "DeepSpeed-Chat"
+    shutil.copytree(FIXTURES / "package", chat)
+    step1 = chat / "training" / "step1_supervised_finetuning"
+    (step1 / "main_lora.py").write_bytes((step1 / "main.py").read_bytes())
+    top = tmp_path / "DeepSpeedExamples"
+    assert cli("apply", "--script", "training/step1_supervised_finetuning/main_lora.py", cwd=top)[0] == 0
+    recorded = json.loads((chat / ".dsfix" / "state.json").read_text())
+    assert recorded["scripts"] == ["training/step1_supervised_finetuning/main_lora.py"]
+    assert cli("check", cwd=top)[0] == 0 and cli("apply", cwd=top)[0] == 0
+    assert json.loads((chat / ".dsfix" / "state.json").read_text())["scripts"] == recorded["scripts"]
+    assert cli("revert", cwd=top)[0] == 0
+    assert b"save_hf_format_safetensors" not in (step1 / "main_lora.py").read_bytes()

@@ -90,8 +90,19 @@ def _simplify(f, keyfree):
             if c == zero:
                 return zero
             if c != unit:
-                out += c[1] if c[0] == kind else [c]
+                out += [d for d in (c[1] if c[0] == kind else [c]) if _canonical(d) not in map(_canonical, out)]
         return unit if not out else out[0] if len(out) == 1 else (kind, out)
+    return f
+
+
+def _canonical(f):
+    """A form of a formula in which the same test written twice (two loops over the keys, each with its own
+    variable) is equal: a leaf's test dumped with its variable renamed."""
+    if f[0] == "leaf":
+        renamed = ast.dump(f[1]).replace(f"id='{f[2]}'", "id='<key>'")
+        return ("leaf", renamed, f[3])
+    if f[0] in ("and", "or"):
+        return (f[0], tuple(_canonical(c) for c in f[1]))
     return f
 
 

@@ -148,7 +148,7 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
     main_path = _given(main, "--main", home, notes) if main is not None else None
     script_paths = [_given(s, "--script", home, notes) for s in scripts]
     if main_path is None:
-        rec = state.recorded(start)
+        rec = state.recorded(root or start)  # the checkout below, when dsfix runs from the repository's top
         remembered = _remembered(rec)
         if remembered is not None:  # an earlier apply named the scripts: use them again
             root, main_path, recorded_scripts = remembered
