@@ -463,6 +463,10 @@ def convert(
     output: Optional[Path] = typer.Option(None, "--output", help="Engine checkpoint: the folder to write (new or empty)."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Engine checkpoint: the step folder to read (default: latest)."),
     dtype: OutDType = typer.Option(OutDType.auto, help="Engine checkpoint: the weights' dtype (auto: config.json's)."),
+    lora_scaling: Optional[float] = typer.Option(None, "--lora-scaling", help="Engine checkpoint of a DeepSpeed-Chat LoRA "
+                                                 "run: the lora_scaling its layers were built with (default: step 1's 1)."),
+    keep_lora: bool = typer.Option(False, "--keep-lora", help="Engine checkpoint of a LoRA run: also write the unfused "
+                                   "factors to lora.safetensors beside the fused model."),
     as_json: bool = JSON_OPT,
 ):
     """Turn .bin weights or a DeepSpeed engine checkpoint into a verified safetensors folder. Exit 0: converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused pickle."""
@@ -475,8 +479,9 @@ def convert(
         if remove_bin:
             raise DsfixError("--remove-bin is for .bin output folders; a DeepSpeed engine checkpoint is left as it is")
         return engine.convert_engine(folder, config, output, tag=tag, dtype=dtype.value, strategy=strategy.value,
-                                     load=load, console=err.console)
-    given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag)) if v is not None]
+                                     load=load, console=err.console, lora_scaling=lora_scaling, keep_lora=keep_lora)
+    given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag),
+                            ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None)) if v is not None]
     if given or dtype is not OutDType.auto:
         raise DsfixError(f"{', '.join(given) or '--dtype'} is for DeepSpeed engine checkpoints (latest + global_stepN/); "
                          "this is not one: a .bin folder is converted in place", path=str(folder))
