@@ -428,15 +428,20 @@ def verify(
                                             "or a step-3 output folder holding actor/, critic/, actor_ema/."),
     expect: Optional[int] = typer.Option(None, help="The number of tensors the file must hold (each folder's)."),
     load: bool = typer.Option(True, help="Also load the folder (from_pretrained; a critic into its module)."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Compare with this reference model folder instead: "
+                                           "keys, shapes, dtypes, values (bit-equal unless --atol/--rtol), ties."),
+    atol: float = typer.Option(0.0, "--atol", min=0.0, help="With --against: the absolute difference allowed."),
+    rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="With --against: the difference allowed relative to the reference."),
     as_json: bool = JSON_OPT,
 ):
-    """Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input."""
+    """Check a saved folder against its config (or --against a reference folder). Exit 0: it holds, 1: a check
+    failed (a difference), 2: bad input."""
     from patcher.prereq import require
 
     require("verify")
     from patcher.checkpoint.verify import verify_path
 
-    return verify_path(folder, expect=expect, load=load)
+    return verify_path(folder, expect=expect, load=load, against=against, atol=atol, rtol=rtol)
 
 
 class OutDType(str, Enum):
