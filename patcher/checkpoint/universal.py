@@ -60,15 +60,15 @@ def stage_of(meta: dict) -> Optional[int]:
 def stream(layout: Layout, meta: dict, world: int, put) -> Optional[int]:
     """Hands every trained parameter's fp32 master to ``put(name, 0, flat data)``, one file at a time, then the
     frozen parameters and buffers. Returns the ZeRO stage its saved config names."""
+    stage = stage_of(meta)
+    if stage is not None and (stage == 3) != layout.stage3:
+        raise DsfixError(f"the saved config says ZeRO stage {stage} but the model_states files are laid out for "
+                         f"ZeRO-{'3' if layout.stage3 else '1/2'}", path=str(layout.model_files[0]))
     for group in meta["param_shapes"]:
         for name, shape in group.items():
             put(name, 0, _read_param(layout.folder, name, tuple(int(d) for d in shape)))
     for rank in range(world if layout.stage3 else 1):
         stream_frozen(meta, layout.model_files, layout.stage3, world, rank, put)
-    stage = stage_of(meta)
-    if stage is not None and (stage == 3) != layout.stage3:
-        raise DsfixError(f"the saved config says ZeRO stage {stage} but the model_states files are laid out for "
-                         f"ZeRO-{'3' if layout.stage3 else '1/2'}", path=str(layout.model_files[0]))
     return stage if stage is not None else (3 if layout.stage3 else None)
 
 
