@@ -413,6 +413,36 @@ def test_fuse_is_step1s_fusion_bit_for_bit(tiny_lora_helper, dtype, dim, scaling
     assert torch.equal(_bits(fused), _bits(layer.weight.detach()))
 
 
+@pytest.mark.parametrize("drop", [None, "l.lora_left_weight", "l.weight"])
+def test_fuser_fuses_what_it_was_handed_and_refuses_what_it_lacks(tmp_path, drop):
+    """Pieces arrive in any order, cut anywhere (as ranks hand them over); other tensors pass straight on."""
+    torch.manual_seed(3)
+    weight, right, left = torch.randn(6, 4).to(torch.bfloat16), torch.randn(4, 2), torch.randn(2, 6)
+    shapes = {"l.weight": (6, 4), "l.lora_right_weight": (4, 2), "l.lora_left_weight": (2, 6), "n.weight": (6,)}
+    modules = lora.find(shapes, "ckpt")
+    out = {}
+    fuser = lora.Fuser(modules, {n: math.prod(s) for n, s in shapes.items()}, torch.bfloat16, 2.0,
+                       lambda n, dst, data: out.setdefault(n, []).append((dst, data.clone())), tmp_path / "scratch")
+    pieces = [("l.lora_left_weight", left.reshape(-1), 7), ("n.weight", torch.ones(6), 6), ("l.weight", weight.reshape(-1), 10),
+              ("l.lora_right_weight", right.reshape(-1), 3)]
+    for name, flat, cut in pieces:
+        if name != drop:
+            fuser.put(name, cut, flat[cut:])
+            fuser.put(name, 0, flat[:cut])
+    try:
+        if drop:
+            with pytest.raises(DsfixError, match=f"does not hold every element of the LoRA layers: {drop}"):
+                fuser.finish()
+            return
+        fuser.finish()
+    finally:
+        fuser.close()
+    assert not (tmp_path / "scratch").exists() and [d for d, _ in out["n.weight"]] == [6, 0]
+    (dst, fused), = out["l.weight"]
+    expected = lora.fuse(weight.clone(), right, left, 2.0 / 2)
+    assert dst == 0 and torch.equal(_bits(fused), _bits(expected.reshape(-1)))
+
+
 # --------------------------------------------------------------------------- real engines on 2 CPU ranks
 
 

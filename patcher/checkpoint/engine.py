@@ -206,11 +206,15 @@ def _plan(meta: dict, cfg, strategy: str, dtype, checks: list, where) -> Plan:
     sources = {n: v for n, v in sources.items() if n not in factors}
     shared = dict(meta.get("shared_params") or {})
 
-    model = meta_model(cfg)
-    expected, tie_groups = expected_of(model)
-    embed_name = next((k for k, v in model.state_dict(keep_vars=True).items()
-                       if v is model.get_input_embeddings().weight), None)
-    del model
+    try:
+        model = meta_model(cfg)
+        expected, tie_groups = expected_of(model)
+        embed_name = next((k for k, v in model.state_dict(keep_vars=True).items()
+                           if v is model.get_input_embeddings().weight), None)
+        del model
+    except Exception as e:  # a config transformers reads but cannot build: the keys check says so
+        checks.append(Check("keys", False, f"cannot build the model of {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
+        return Plan([], modules, numels)
     tied_in_config = {k: g for g in tie_groups for k in g}
 
     entries, dropped, unknown_alias = [], [], []
@@ -307,13 +311,7 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
     base = dict(path=str(path), output=str(output), tag=layout.tag, world=world, precision=layout.precision,
                 dtype=str(out_dtype).replace("torch.", ""), strategy=strategy, universal=layout.universal)
     checks = [cfg_check]
-    try:
-        plan = _plan(meta, cfg, strategy, out_dtype, checks, layout.folder)
-    except DsfixError:
-        raise
-    except Exception as e:
-        checks.append(Check("keys", False, f"cannot build the model of {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
-        plan = Plan([], [], {})
+    plan = _plan(meta, cfg, strategy, out_dtype, checks, layout.folder)
     fusing = _lora_options(plan, meta, lora_scaling, keep_lora, layout.folder)
     if fusing is not None:
         base["lora"] = fusing
