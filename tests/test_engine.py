@@ -566,9 +566,11 @@ def test_bf16_equals_the_engine_model_and_loads_tied(engine_checkpoints, tmp_pat
 
     ckpt, model_dir = engine_checkpoints
     out = tmp_path / "out"
-    result = engine.convert_engine(ckpt / f"zero{stage}", model_dir, out, dtype="auto", strategy=strategy)
+    given = ckpt / f"zero{stage}" / ("global_step1" if stage == 2 else "")  # the step folder itself, or its parent
+    result = engine.convert_engine(given, model_dir, out, dtype="auto", strategy=strategy)
     assert result.ok, result.checks
     assert result.dtype == "bfloat16" and result.tensors == (310 if strategy == "dedupe" else 311)
+    assert result.tag == "global_step1"
     ref = torch.load(str(ckpt / f"zero{stage}" / "reference.pt"), weights_only=True)
     written = _read(out)
     assert ("lm_head.weight" in written) == (strategy == "clone")

@@ -8,7 +8,8 @@ side lacking it is compared through its partner, and wherever a folder stores bo
 
 Memory stays bounded: the headers are read first, then one pair of tensors at a time, a block of rows at a
 time (64 MiB of each side at most), from memory-mapped safetensors files. The report names the first
-difference (in name order); exit 1 when there is one.
+difference: the first failing check (keys, shapes, dtypes, values, tied) and its first tensor in name
+order; exit 1 when there is one.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def compare_folders(path, against, atol: float = 0.0, rtol: float = 0.0) -> Comp
     rows = _compare_values(folder, ref, head, ref_head, pairs, atol, rtol)
     for name, what in (("shapes", "shape"), ("dtypes", "dtype"), ("values", "values")):
         bad = [r for r in rows if r.kind == what]
-        checks.append(Check(name, not bad, f"{bad[0].name}: {bad[0].problem}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")
-                            if bad else _good(name, rows, atol, rtol)))
+        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+        detail = f"{bad[0].name}: {bad[0].problem}{more}" if bad else _good(name, rows, atol, rtol)
+        checks.append(Check(name, not bad, detail))
     checks.append(_ties_check(folder, head, ref, ref_head, groups))
     first = next((f"{c.name}: {c.detail}" for c in checks if not c.ok), "")
     return CompareReport(path=str(path), ok=not first, checks=tuple(checks), tensors=len(head.entries),
@@ -166,9 +168,11 @@ def _compare_values(folder: Path, ref: Path, head: Header, ref_head: Header, pai
                 rows.append(Row(name, ref_name, tuple(shape), code, None, "shape",
                                 f"{shape_text(shape)} here, {shape_text(ref_shape)} in the reference"))
             elif code != ref_code:
-                rows.append(Row(name, ref_name, tuple(shape), code, None, "dtype", f"{code} here, {ref_code} in the reference"))
+                rows.append(Row(name, ref_name, tuple(shape), code, None, "dtype",
+                                f"{code} here, {ref_code} in the reference"))
             else:
-                diff, close = _values(handle(folder, file), name, handle(ref, ref_file), ref_name, tuple(shape), atol, rtol)
+                diff, close = _values(handle(folder, file), name, handle(ref, ref_file), ref_name, tuple(shape),
+                                      atol, rtol)
                 problem = "" if close else f"max |diff| {diff:.6g} > atol {atol:g} + rtol {rtol:g} x |reference|"
                 rows.append(Row(name, ref_name, tuple(shape), code, diff, "" if close else "values", problem))
         return rows

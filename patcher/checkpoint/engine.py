@@ -57,7 +57,7 @@ SCRATCH = ".lora-base-weights"  # in the staging folder, while LoRA layers are f
 
 
 def is_engine_checkpoint(path) -> bool:
-    """What this module converts: an engine or universal checkpoint (:func:`patcher.checkpoint.zero.is_engine_checkpoint`)."""
+    """What this module converts: an engine or universal checkpoint (``zero.is_engine_checkpoint``)."""
     return zero.is_engine_checkpoint(path)
 
 
@@ -318,8 +318,8 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
         checks.append(Check("lora", True, lora.describe(plan.lora, fusing["lora_scaling"], fusing["dtype"])))
     checks.insert(0, _source_check(layout, meta, world))
     if not all(c.ok for c in checks):
-        return EngineResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(checks), note="a check failed before writing",
-                            stage=3 if layout.stage3 else 2, **base)
+        return EngineResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(checks),
+                            note="a check failed before writing", stage=3 if layout.stage3 else 2, **base)
     job = _Job(layout, meta, world, plan, out_dtype, fusing, max_shard_size, console, progress_min_bytes)
     return _convert(job, config, output, load, cfg, checks, base)
 
@@ -397,7 +397,7 @@ def _convert(job: _Job, config: Path, output: Path, load: bool, cfg, checks: lis
             if (config / name).is_file():
                 shutil.copyfile(config / name, staging / name)
         fsync(staging)
-        source = checks[0]._replace(detail=checks[0].detail.replace("ZeRO-1/2", f"ZeRO-{stage}" if stage else "ZeRO-1/2"))
+        source = checks[0]._replace(detail=checks[0].detail.replace("ZeRO-1/2", f"ZeRO-{stage or '1/2'}"))
         checks = [source] + _verify(staging, len(job.plan.entries), load, cfg, job.dtype, checks) + kept
         nbytes = sum((staging / f).stat().st_size for f in files)
         if not all(c.ok for c in checks):
@@ -585,16 +585,17 @@ def _keep_factors(fuser, job: _Job, staging: Path) -> Check:
     shapes = {**{m.right: (m.in_features, m.rank) for m in job.plan.lora},
               **{m.left: (m.rank, m.out_features) for m in job.plan.lora}}
     tensors = {n: fuser.factors[n].reshape(shapes[n]).to(job.dtype).contiguous() for n in sorted(shapes)}
-    meta = {"format": "pt", "lora_scaling": f"{job.lora['lora_scaling']:g}", "layout": "DeepSpeed-Chat LinearLayer_LoRA",
+    meta = {"format": "pt", "lora_scaling": f"{job.lora['lora_scaling']:g}",
+            "layout": "DeepSpeed-Chat LinearLayer_LoRA",
             "fused_into": "the model's weights (weight += lora_scaling / r * left.T @ right.T)"}
     save_file(tensors, str(staging / lora.FILE), metadata=meta)
     fsync(staging / lora.FILE)
     with safe_open(str(staging / lora.FILE), framework="pt") as f:
         back = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    ok = back == shapes
-    return Check("lora-file", ok, f"{lora.FILE}: {len(back)} factors of {len(job.plan.lora)} layers, unfused, "
-                                  f"{str(job.dtype).replace('torch.', '')}" if ok else f"{lora.FILE} reads back {len(back)} "
-                                  f"tensors, not the {len(shapes)} written")
+    if back != shapes:
+        return Check("lora-file", False, f"{lora.FILE} reads back {len(back)} tensors, not the {len(shapes)} written")
+    return Check("lora-file", True, f"{lora.FILE}: {len(back)} factors of {len(job.plan.lora)} layers, unfused, "
+                                    f"{str(job.dtype).replace('torch.', '')}")
 
 
 @contextmanager
