@@ -478,8 +478,6 @@ def _bytes_of(tensor) -> memoryview:
 
 def _write(job: _Job, staging: Path) -> tuple[list, Optional[int], list]:
     """Streams the tensors into ``staging``. Returns (file names, ZeRO stage, the --keep-lora file's check)."""
-    import gc
-
     files = _layout_files(job.plan.entries, job.limit, staging)
     fds: list = []
     try:
@@ -495,7 +493,6 @@ def _write(job: _Job, staging: Path) -> tuple[list, Optional[int], list]:
     finally:
         for fd in fds:
             os.close(fd)
-        gc.collect()
     names = [f[0] for f in files]
     if len(files) > 1:
         index = {"metadata": {"total_size": total},
