@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from patcher.checkpoint import engine, lora, universal, zero
+from patcher.checkpoint import engine, lora, refuse, universal, zero
 from patcher.errors import DsfixError
 
 torch = pytest.importorskip("torch")
@@ -261,8 +261,11 @@ def test_a_bin_folder_is_not_an_engine_checkpoint(tmp_path):
 
 
 # --------------------------------------------------------------------------- refusals, over small real-shaped files
-# Tensor, expert and pipeline parallelism and Muon cannot run on CPU ranks here: these are DeepSpeed 0.19.8's
-# own file names and keys (engine.save_checkpoint, ds_to_universal) around a two-parameter model.
+# DeepSpeed 0.19.8's own file names and keys (engine.save_checkpoint, ds_to_universal) around a two-parameter
+# model. Muon and AutoTP also run for real in the launch below (test_real_muon_and_autotp_checkpoints_are_refused);
+# AutoEP cannot here (its presets expect transformers 5's fused expert weights; the tests run 4.57), nor can
+# DeepSpeed MoE, pipeline parallelism (a PipelineModule, not a Hugging Face model) or universal files merged
+# from tensor-parallel slices of such runs.
 
 NARROW_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "models", "qwen3-narrow")
 
@@ -456,7 +459,8 @@ def engine_checkpoints(tmp_path_factory, tiny_qwen3_helper):
     """One launch of 2 CPU ranks (gloo): engine checkpoints of the narrow tied Qwen3 at ZeRO-2 and ZeRO-3, each
     after one bf16 training step with model.layers.1.mlp frozen, plus each engine's gathered model and logits
     (reference.pt), and a model folder (config, generation config, tokenizer) for --config. In the same launch,
-    the LoRA runs (LORA_RUNS): ckpt/loraS and, in ckpt/loraS/hf, what step 1's patched save writes after fusing."""
+    the LoRA runs (LORA_RUNS): ckpt/loraS and, in ckpt/loraS/hf, what step 1's patched save writes after fusing;
+    then two layouts dsfix refuses: ckpt/muon (DeepSpeed's Muon optimizer, ZeRO-2) and ckpt/autotp (AutoTP, 2-way)."""
     pytest.importorskip("deepspeed")
     from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group
     from smokekit import LAUNCH_TIMEOUT_S, REPO, TEMPLATE
@@ -467,9 +471,11 @@ def engine_checkpoints(tmp_path_factory, tiny_qwen3_helper):
     base = tmp_path_factory.mktemp("engine-ckpt")
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),
            str(REPO / "fixtures" / "step1_trainer" / "engine_ckpt.py"), "--output_dir", str(base / "ckpt"),
-           "--stages", "2,3", "--utils", str(TEMPLATE), "--lora_runs", json.dumps(LORA_RUNS)]
+           "--stages", "2,3", "--utils", str(TEMPLATE), "--lora_runs", json.dumps(LORA_RUNS), "--unproven", "muon,autotp"]
     env = rank_env(nproc=2)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+    # TORCH_COMPILE_DISABLE: Muon's kernels run eagerly instead of being compiled first (minutes on a CPU);
+    # the files saved are the same
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", TORCH_COMPILE_DISABLE="1",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     code, output = run_group(cmd, env, LAUNCH_TIMEOUT_S, cwd=str(REPO))
     if code is None:
@@ -661,6 +667,25 @@ def test_lora_scaling_is_refused_without_lora_and_changes_the_fusion(engine_chec
     assert result.ok and result.lora["lora_scaling"] == 3.0
     assert not torch.equal(written["model.layers.0.self_attn.q_proj.weight"], saved["model.layers.0.self_attn.q_proj.weight"])
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run,words", [
+    ("muon", "refused: a Muon optimizer (the saved config's optimizer type), whose states are not Adam's"),
+    ("autotp", "refused: tensor-parallel files (bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"),
+])
+def test_real_muon_and_autotp_checkpoints_are_refused(engine_checkpoints, tmp_path, run, words):
+    """Checkpoints DeepSpeed wrote itself with its Muon optimizer and with AutoTP: one line, exit 2, nothing written;
+    the Muon run's files also hold Muon's states and parameter groups, which are refused on their own."""
+    ckpt, model_dir = engine_checkpoints
+    with pytest.raises(DsfixError) as info:
+        engine.convert_engine(ckpt / run, model_dir, tmp_path / "out")
+    assert info.value.code == 2 and words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    if run == "muon":
+        osd = zero.load_pt(ckpt / "muon" / "global_step1" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        with pytest.raises(DsfixError, match="refused: (Muon parameter groups|optimizer states momentum_buffer)"):
+            refuse.optimizer_states(osd["optimizer_state_dict"], "muon")
 
 
 @pytest.mark.slow
