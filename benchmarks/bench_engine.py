@@ -6,7 +6,7 @@ embeddings), wrap it in a ZeRO-3 engine and call ``engine.save_checkpoint`` (``-
 first, 0 by default: both tools read only the fp32 master weights, which the engine holds from the start).
 ``--checkpoint DIR --model DIR`` skips the setup and uses a checkpoint and model folder that exist.
 
-Methods, each in its own process, one after another, every written file fsynced:
+Methods, each in its own process, every written file fsynced:
 
   zero_to_fp32 .bin fp32          DeepSpeed's converter as the checkpoint's script runs it
                                   (``convert_zero_checkpoint_to_fp32_state_dict``): pytorch_model.bin, fp32
@@ -16,10 +16,17 @@ Methods, each in its own process, one after another, every written file fsynced:
   dsfix convert fp32              ``dsfix convert CKPT --config MODEL --output OUT --dtype fp32`` (clone, verified,
                                   loaded with from_pretrained)
   dsfix convert fp32 --no-load    the same without the load
-  dsfix convert bf16              ``--dtype bf16`` (the config's dtype)
+  dsfix convert bf16              ``--dtype bf16`` (the config's dtype): what a user runs
+  dsfix convert bf16 dedupe       ``--strategy dedupe --no-load``: like with like against the .bin, which stores
+                                  the tied lm_head once and is neither verified nor loaded
 
-Peak memory is sampled from /proc/PID/status every 20 ms: VmRSS (all resident memory, mapped files
-included), RssAnon (the process's own) and RssFile (mapped file pages).
+Like with like: the methods run ``--rounds`` times (3 by default), alternated round by round, and the
+table gives each one's median (and range); before the first round every checkpoint file is read once, so
+that every method starts with it in the page cache. Peak memory is sampled from /proc/PID/status every
+20 ms: VmRSS (all resident memory, mapped files included), RssAnon (the process's own) and RssFile (mapped
+file pages); the table gives each method's largest. CPU s is the process's user + system time (its threads
+included), which other work on the machine changes less than the wall time. The load average is recorded
+with every run.
 
     python benchmarks/bench_engine.py                     # full Qwen3-0.6B, ZeRO-3, 2 ranks
     python benchmarks/bench_engine.py --checkpoint CKPT --model MODEL_DIR
@@ -27,7 +34,9 @@ included), RssAnon (the process's own) and RssFile (mapped file pages).
 import argparse
 import json
 import os
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +69,12 @@ METHODS = (  # key, label, argv ({ckpt}, {model}, {out}), output dtype
       "--json"], "fp32"),
     ("dsfix_bf16", "dsfix convert --dtype bf16",
      ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16", "--json"], "bf16"),
+    ("dsfix_bf16_dedupe", "dsfix convert --dtype bf16 --strategy dedupe --no-load",
+     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16",
+      "--strategy", "dedupe", "--no-load", "--json"], "bf16"),
 )
+RATIOS = (("dsfix_fp32", "z2f_fp32"), ("dsfix_fp32_noload", "z2f_fp32"), ("dsfix_bf16", "z2f_bf16"),
+          ("dsfix_bf16_dedupe", "z2f_bf16"))
 
 
 def _status_kb(pid, fields):
@@ -77,21 +91,27 @@ def _status_kb(pid, fields):
 
 
 def run_child(args, cwd):
-    """(wall s, {peak VmRSS, RssAnon, RssFile in MiB}, returncode, stdout, stderr tail)."""
+    """(wall s, CPU s (user + system), {peak VmRSS, RssAnon, RssFile in MiB}, returncode, stdout, stderr tail).
+    The output goes to files, not pipes, so that a full pipe never stalls the child between samples."""
     env = dict(os.environ, NO_COLOR="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
     fields = ("VmRSS", "RssAnon", "RssFile")
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable] + args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    peak = dict.fromkeys(fields, 0)
-    while proc.poll() is None:
-        now = _status_kb(proc.pid, fields)
-        peak = {k: max(peak[k], now[k]) for k in fields}
-        time.sleep(0.02)
-    out, err = proc.communicate()
-    wall = time.perf_counter() - start
-    return wall, {k: v / 1024.0 for k, v in peak.items()}, proc.returncode, out, err[-2000:]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable] + args, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
+        peak = dict.fromkeys(fields, 0)
+        while proc.poll() is None:
+            now = _status_kb(proc.pid, fields)
+            peak = {k: max(peak[k], now[k]) for k in fields}
+            time.sleep(0.02)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, {k: v / 1024.0 for k, v in peak.items()}, proc.returncode, stdout, stderr[-2000:]
 
 
 def make_checkpoint(work, steps):
@@ -120,11 +140,89 @@ def du_mib(path):
     return sum(os.path.getsize(os.path.join(h, n)) for h, _, names in os.walk(path) for n in names) / MIB
 
 
+def warm(path):
+    """Reads every file under ``path`` once (not timed): each method then starts with it in the page cache."""
+    for here, _, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(here, name), "rb") as handle:
+                while handle.read(64 * 1024 * 1024):
+                    pass
+
+
+def run_method(key, argv, ckpt, model, work):
+    """One run of one method: {wall_s, peak_mib, returncode, tensors or error, written_mib, load}."""
+    out = os.path.join(work, "out-" + key)
+    load = os.getloadavg()[0]
+    wall, cpu, peak, code, stdout, err = run_child([a.format(ckpt=ckpt, model=model, out=out) for a in argv], REPO_ROOT)
+    entry = {"wall_s": wall, "cpu_s": cpu, "peak_mib": peak, "returncode": code, "load": load}
+    if code == 0 and key.startswith("dsfix"):
+        entry["tensors"] = json.loads(stdout)["tensors"]
+    elif code == 0:
+        entry["tensors"] = int(stdout.split()[-1])
+    else:
+        lines = err.strip().splitlines() or ["?"]
+        at = max([i for i, l in enumerate(lines) if "Error" in l or "error:" in l] or [len(lines) - 1])
+        entry["error"] = " ".join(l.strip() for l in lines[at:at + 3])[:300]
+    entry["written_mib"] = du_mib(out) if os.path.isdir(out) else 0.0
+    shutil.rmtree(out, ignore_errors=True)
+    return entry
+
+
+def summarize(label, dtype, runs):
+    """The runs of one method: median wall time and its range, the largest peaks, the first failure."""
+    walls = sorted(r["wall_s"] for r in runs)
+    peaks = {k: max(r["peak_mib"][k] for r in runs) for k in runs[0]["peak_mib"]}
+    failed = next((r for r in runs if r["returncode"] != 0), None)
+    out = {"label": label, "dtype": dtype, "wall_s": statistics.median(walls), "wall_min_s": walls[0],
+           "wall_max_s": walls[-1], "cpu_s": statistics.median(r["cpu_s"] for r in runs), "peak_mib": peak_keys(peaks), "returncode": failed["returncode"] if failed else 0,
+           "written_mib": runs[-1]["written_mib"], "runs": runs}
+    if failed:
+        out["error"] = failed.get("error", "?")
+    else:
+        out["tensors"] = runs[-1]["tensors"]
+    return out
+
+
+def peak_keys(peaks):
+    return {k: peaks[k] for k in ("VmRSS", "RssAnon", "RssFile")}
+
+
+def print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads):
+    print("## dsfix convert of a DeepSpeed engine checkpoint vs zero_to_fp32\n")
+    print("- command: `python benchmarks/bench_engine.py%s`" % ("" if not args.checkpoint else " --checkpoint CKPT --model MODEL"))
+    print("- checkpoint: %s, %.0f MiB (%s)" % ("Qwen3-0.6B (bundled config, random bf16 weights, tied), ZeRO-3, 2 CPU "
+                                             "ranks, %d training step(s)" % args.steps if not args.checkpoint else ckpt,
+                                             ckpt_mib, "saved in %.0f s, not timed" % setup_s))
+    print("- machine: %s; load average %.1f-%.1f while it ran" % (facts, min(loads), max(loads)))
+    print("- %d round(s), the methods alternated round by round, each run in its own process (imports included), "
+          "the checkpoint in the page cache, every written file fsynced; wall s is the median\n" % args.rounds)
+    print("| method | dtype | wall s | range s | CPU s | tensors | written MiB | peak RSS MiB | peak RssAnon MiB | peak RssFile MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for key, label, _, _ in METHODS:
+        r = results.get(key)
+        if r is None:
+            continue
+        print("| %s | %s | %.1f | %.1f-%.1f | %.1f | %s | %.0f | %.0f | %.0f | %.0f |" % (
+            label, r["dtype"], r["wall_s"], r["wall_min_s"], r["wall_max_s"], r["cpu_s"], r.get("tensors", "failed"),
+            r["written_mib"], r["peak_mib"]["VmRSS"], r["peak_mib"]["RssAnon"], r["peak_mib"]["RssFile"]))
+    print()
+    for key, r in results.items():
+        if "error" in r:
+            print("- %s failed: %s" % (r["label"], r["error"]))
+    for a, b in RATIOS:
+        ra, rb = results.get(a), results.get(b)
+        if ra and rb and not ra["returncode"] and not rb["returncode"]:
+            print("- %s / %s: time %.2fx, CPU time %.2fx, peak RSS %.2fx" % (
+                ra["label"], rb["label"], ra["wall_s"] / rb["wall_s"], ra["cpu_s"] / rb["cpu_s"],
+                ra["peak_mib"]["VmRSS"] / rb["peak_mib"]["VmRSS"]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None, help="an engine checkpoint folder (skips the setup)")
     parser.add_argument("--model", default=None, help="with --checkpoint: the model folder for --config")
     parser.add_argument("--steps", type=int, default=0, help="training steps before the save (setup)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each method, alternated; the median is shown")
     parser.add_argument("--tmpdir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--methods", default=None, help="comma-separated keys of the methods to run (default: all): "
@@ -137,72 +235,31 @@ def main():
     from common import machine_facts
 
     work = tempfile.mkdtemp(prefix="dsfix-bench-engine-", dir=args.tmpdir)
-    results = {}
+    runs = {m[0]: [] for m in chosen}
     try:
         t = time.perf_counter()
-        if args.checkpoint:
-            ckpt, model = args.checkpoint, args.model
-        else:
-            ckpt, model = make_checkpoint(work, args.steps)
+        ckpt, model = (args.checkpoint, args.model) if args.checkpoint else make_checkpoint(work, args.steps)
         setup_s = time.perf_counter() - t
         ckpt_mib = du_mib(ckpt)
-        for key, label, argv, dtype in chosen:
-            out = os.path.join(work, "out-" + key)
-            wall, peak, code, stdout, err = run_child(
-                [a.format(ckpt=ckpt, model=model, out=out) for a in argv], REPO_ROOT)
-            entry = {"label": label, "dtype": dtype, "wall_s": wall, "peak_mib": peak, "returncode": code}
-            if code == 0 and key.startswith("dsfix"):
-                entry["tensors"] = json.loads(stdout)["tensors"]
-            elif code == 0:
-                entry["tensors"] = int(stdout.split()[-1])
-            else:
-                lines = err.strip().splitlines() or ["?"]
-                at = max([i for i, l in enumerate(lines) if "Error" in l or "error:" in l] or [len(lines) - 1])
-                entry["error"] = " ".join(l.strip() for l in lines[at:at + 3])[:300]
-            entry["written_mib"] = du_mib(out) if os.path.isdir(out) else 0.0
-            results[key] = entry
-            shutil.rmtree(out, ignore_errors=True)
-            print("%-42s %7.1f s  peak RSS %6.0f MiB  %s" % (label, wall, peak["VmRSS"], entry.get("error", "")),
-                  file=sys.stderr, flush=True)
+        warm(ckpt)
+        for round_ in range(args.rounds):
+            for key, label, argv, _ in chosen:
+                entry = run_method(key, argv, ckpt, model, work)
+                runs[key].append(entry)
+                print("round %d: %-52s %7.1f s  CPU %6.1f s  peak RSS %6.0f MiB  load %.1f  %s" % (
+                    round_ + 1, label, entry["wall_s"], entry["cpu_s"], entry["peak_mib"]["VmRSS"], entry["load"],
+                    entry.get("error", "")),
+                    file=sys.stderr, flush=True)
     finally:
         facts = machine_facts(work)
         shutil.rmtree(work, ignore_errors=True)
-
-    print("## dsfix convert of a DeepSpeed engine checkpoint vs zero_to_fp32\n")
-    print("- command: `python benchmarks/bench_engine.py%s`" % ("" if not args.checkpoint else " --checkpoint CKPT --model MODEL"))
-    print("- checkpoint: %s, %.0f MiB (%s)" % ("Qwen3-0.6B (bundled config, random bf16 weights, tied), ZeRO-3, 2 CPU "
-                                             "ranks, %d training step(s)" % args.steps if not args.checkpoint else ckpt,
-                                             ckpt_mib, "saved in %.0f s, not timed" % setup_s))
-    print("- machine: %s" % facts)
-    print("- one run each, in its own process (imports included), every written file fsynced\n")
-    print("| method | dtype | wall s | tensors | written MiB | peak RSS MiB | peak RssAnon MiB | peak RssFile MiB |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for key, label, _, _ in METHODS:
-        r = results.get(key)
-        if r is None:
-            continue
-        tensors = r.get("tensors", "failed")
-        print("| %s | %s | %.1f | %s | %.0f | %.0f | %.0f | %.0f |" % (
-            label, r["dtype"], r["wall_s"], tensors, r["written_mib"], r["peak_mib"]["VmRSS"],
-            r["peak_mib"]["RssAnon"], r["peak_mib"]["RssFile"]))
-    print()
-    for key, r in results.items():
-        if "error" in r:
-            print("- %s failed: %s" % (r["label"], r["error"]))
-
-    def ratio(a, b):
-        ra, rb = results.get(a), results.get(b)
-        if not ra or not rb or ra["returncode"] or rb["returncode"]:
-            return None
-        return ra["wall_s"] / rb["wall_s"], ra["peak_mib"]["VmRSS"] / rb["peak_mib"]["VmRSS"]
-
-    for a, b in (("dsfix_fp32", "z2f_fp32"), ("dsfix_fp32_noload", "z2f_fp32"), ("dsfix_bf16", "z2f_bf16")):
-        found = ratio(a, b)
-        if found:
-            print("- %s / %s: time %.2fx, peak RSS %.2fx" % (results[a]["label"], results[b]["label"], *found))
+    results = {key: summarize(label, dtype, runs[key]) for key, label, _, dtype in chosen if runs[key]}
+    loads = [r["load"] for rs in runs.values() for r in rs] or [0.0]
+    print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"results": results, "checkpoint_mib": ckpt_mib, "machine": facts}, handle, indent=2)
+            json.dump({"results": results, "checkpoint_mib": ckpt_mib, "machine": facts, "rounds": args.rounds},
+                      handle, indent=2)
     return 0 if all(r["returncode"] == 0 for k, r in results.items() if k != "z2f_safe") else 1
 
 

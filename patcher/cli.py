@@ -423,13 +423,19 @@ def revert(
     return flow.revert(repo, force=force, main=main_script, scripts=script)
 
 
-@app.command(help="Check a saved folder against its config. Exit 0: it holds, 1: a check failed, 2: bad input.")
+@app.command(short_help="Check a saved folder against its config, or against a reference.",
+             help="Check a saved folder against its config (or --against a reference folder). Exit 0: it holds, "
+                  "1: a check failed (a difference), 2: bad input.")
 @_command
 def verify(
     folder: Path = typer.Argument(..., help="A saved model folder (config.json plus safetensors weights), "
                                             "or a step-3 output folder holding actor/, critic/, actor_ema/."),
     expect: Optional[int] = typer.Option(None, help="The number of tensors the file must hold (each folder's)."),
     load: bool = typer.Option(True, help="Also load the folder (from_pretrained; a critic into its module)."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Compare with this reference model folder instead: "
+                                           "keys, shapes, dtypes, values (bit-equal unless --atol/--rtol), ties."),
+    atol: float = typer.Option(0.0, "--atol", min=0.0, help="With --against: the absolute difference allowed."),
+    rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="With --against: the difference allowed relative to the reference."),
     as_json: bool = JSON_OPT,
 ):
     from patcher.prereq import require
@@ -437,7 +443,7 @@ def verify(
     require("verify")
     from patcher.checkpoint.verify import verify_path  # the input is checked before torch is imported
 
-    return verify_path(folder, expect=expect, load=load)
+    return verify_path(folder, expect=expect, load=load, against=against, atol=atol, rtol=rtol)
 
 
 class OutDType(str, Enum):
@@ -468,6 +474,10 @@ def convert(
     output: Optional[Path] = typer.Option(None, "--output", help="Engine checkpoint: the folder to write (new or empty)."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Engine checkpoint: the step folder to read (default: latest)."),
     dtype: OutDType = typer.Option(OutDType.auto, help="Engine checkpoint: the weights' dtype (auto: config.json's)."),
+    lora_scaling: Optional[float] = typer.Option(None, "--lora-scaling", help="Engine checkpoint of a DeepSpeed-Chat LoRA "
+                                                 "run: the lora_scaling its layers were built with (default: step 1's 1)."),
+    keep_lora: bool = typer.Option(False, "--keep-lora", help="Engine checkpoint of a LoRA run: also write the unfused "
+                                   "factors to lora.safetensors beside the fused model."),
     as_json: bool = JSON_OPT,
 ):
     from patcher.prereq import require
@@ -482,8 +492,9 @@ def convert(
         if config is not None:
             need_folder(config)
         return engine.convert_engine(folder, config, output, tag=tag, dtype=dtype.value, strategy=strategy.value,
-                                     load=load, console=err.console)
-    given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag)) if v is not None]
+                                     load=load, console=err.console, lora_scaling=lora_scaling, keep_lora=keep_lora)
+    given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag),
+                            ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None)) if v is not None]
     if given or dtype is not OutDType.auto:
         raise DsfixError(f"{', '.join(given) or '--dtype'} is for DeepSpeed engine checkpoints (latest + global_stepN/); "
                          "this is not one: a .bin folder is converted in place", path=str(folder))

@@ -183,17 +183,41 @@ def _holds_weights(folder: Path) -> bool:
 # --------------------------------------------------------------------------- the checks
 
 
-def verify_path(path, expect: Optional[int] = None, load: bool = True) -> VerifyResult:
+def verify_path(path, expect: Optional[int] = None, load: bool = True, against=None, atol: float = 0.0,
+                rtol: float = 0.0) -> VerifyResult:
     """``dsfix verify PATH``: every model folder under ``path`` (see model_folders), third-party output off.
-    Bad input (no such folder, a file, no weights) is refused before torch is imported."""
+    Bad input (no such folder, a file, no weights) is refused before torch is imported. With ``against``: each
+    folder compared with the reference folder instead (:func:`compare_path`)."""
     from patcher.checkpoint.quiet import quiet
 
     folders = model_folders(path)
     for folder in folders:
         need_folder(folder)
         weight_files(folder)
+    if against is not None:
+        for folder in model_folders(against):
+            need_folder(folder)
+            weight_files(folder)
     with quiet():
+        if against is not None:
+            return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
         return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load) for p in folders))
+
+
+def compare_path(path, against, expect: Optional[int] = None, atol: float = 0.0, rtol: float = 0.0) -> VerifyResult:
+    """``dsfix verify PATH --against REF``: each model folder under ``path`` compared with the same one under
+    ``against`` (:mod:`patcher.checkpoint.compare`); a step-3 folder's actor/critic/actor_ema pair by name."""
+    from patcher.checkpoint.compare import compare_folders
+
+    if expect is not None:
+        raise DsfixError("--expect checks a folder against its config; with --against the reference sets the keys")
+    folders, refs = model_folders(path), model_folders(against)
+    if len(folders) > 1 or len(refs) > 1:
+        names, ref_names = [p.name for p in folders], [p.name for p in refs]
+        if names != ref_names:
+            raise DsfixError(f"holds {', '.join(names)} but --against holds {', '.join(ref_names)}: "
+                             "compare model folders one by one", path=str(path))
+    return VerifyResult(str(path), tuple(compare_folders(p, r, atol=atol, rtol=rtol) for p, r in zip(folders, refs)))
 
 
 def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> VerifyReport:

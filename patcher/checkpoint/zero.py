@@ -1,0 +1,429 @@
+"""The files of a DeepSpeed ZeRO engine checkpoint: reading them without running code, finding the step
+folder, and where each element of the ranks' flat fp32 partitions belongs.
+
+``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag) and ``dir/global_stepN/``:
+
+* ZeRO-1/2: ``mp_rank_00_model_states.pt`` (names, shapes, frozen parameters whole, buffers) and one
+  ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank. Each parameter group's fp32
+  master weights are flattened in ``param_shapes`` order (``param_alignment_paddings`` after each
+  parameter, where recorded) and cut into equal partitions, rank R holding the R-th
+  (``single_partition_of_fp32_groups``); a parameter may straddle two ranks.
+* ZeRO-3: one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank and the same optimizer files. Every
+  parameter is cut on its own into ``ceil(numel / world)`` elements a rank (the last padded), and rank R's
+  slices of all parameters lie one after another in its ``fp32_flat_groups`` (groups concatenated). Frozen
+  parameters are cut the same way into each rank's ``frozen_param_fragments``.
+
+:func:`stream` maps each rank's flat partition to (parameter, offset) pieces (:func:`zero12_pieces`,
+:func:`zero3_pieces`) and hands them on, one rank's optimizer file at a time (memory-mapped), then the
+frozen parameters and buffers (:func:`stream_frozen`, which a universal checkpoint shares).
+
+Every ``.pt`` is read with ``torch.load(weights_only=True)`` and an allow-list of the few non-torch types
+DeepSpeed pickles (:data:`ALLOWED`), each bound to a plain stand-in class here, so no DeepSpeed or other
+code runs on load and DeepSpeed need not be installed. Anything else is refused, naming the type.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+from patcher.checkpoint.checks import examples
+from patcher.errors import DsfixError
+
+LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"
+
+_OPTIM_RE = re.compile(r"^(?:(?P<prec>bf16|fp16|fp32)_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+MODEL3_RE = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+MODEL12 = "mp_rank_00_model_states.pt"
+
+
+# --------------------------------------------------------------------------- loading without running code
+
+
+class LossScalerRecord:
+    """Stands in for deepspeed.runtime.fp16.loss_scaler.LossScaler: its attributes, no behaviour."""
+
+
+class DynamicLossScalerRecord:
+    """Stands in for deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler (fp16 training)."""
+
+
+class FragmentAddress:
+    """Stands in for deepspeed.utils.tensor_fragment.fragment_address (ZeRO-1/2's param_slice_mappings)."""
+
+
+def zero_stage_enum(value):
+    """Stands in for deepspeed.runtime.zero.config.ZeroStageEnum(value): the stage as an int."""
+    if type(value) is not int or not 0 <= value <= 3:
+        raise ValueError(f"not a ZeRO stage: {value!r}")
+    return value
+
+
+# The non-torch globals DeepSpeed's checkpoint files pickle (torch's own tensors, storages, dtypes, Size and
+# OrderedDict are allowed by weights_only already). Found by listing the GLOBAL opcodes of real ZeRO-2 and
+# ZeRO-3 files (bf16 and fp16); nothing else is admitted.
+ALLOWED = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": LossScalerRecord,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": DynamicLossScalerRecord,
+    "deepspeed.runtime.zero.config.ZeroStageEnum": zero_stage_enum,
+    "deepspeed.utils.tensor_fragment.fragment_address": FragmentAddress,
+}
+
+
+def _torch_version() -> tuple:
+    import torch
+
+    return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+
+
+@contextmanager
+def _allowed_globals():
+    """The allow-list, for one load. torch 2.6+ binds each name to a stand-in; torch 2.4-2.5 only admits a
+    class under its own name, so there DeepSpeed's classes are imported (never called: weights_only only
+    creates an object and sets its attributes); older torch cannot admit any, and is refused."""
+    import torch
+
+    ser = torch.serialization
+    if not hasattr(ser, "add_safe_globals"):
+        raise DsfixError(f"reading DeepSpeed optimizer files without running code needs torch >= 2.4 "
+                         f"(weights_only allow-lists); this is torch {torch.__version__}")
+    if _torch_version() >= (2, 6):
+        entries = [(obj, name) for name, obj in ALLOWED.items()]
+    else:
+        try:
+            from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+            from deepspeed.runtime.zero.config import ZeroStageEnum
+            from deepspeed.utils.tensor_fragment import fragment_address
+        except ImportError as e:
+            raise DsfixError(f"with torch {torch.__version__} reading DeepSpeed optimizer files needs deepspeed "
+                             f"importable ({e}); torch >= 2.6 needs no deepspeed")
+        entries = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    if hasattr(ser, "safe_globals"):
+        with ser.safe_globals(entries):
+            yield
+    else:  # torch 2.4: process-wide, which is all a CLI run needs
+        ser.add_safe_globals(entries)
+        yield
+
+
+def load_pt(path: Path, tensor_ok: bool = False):
+    """A DeepSpeed ``.pt`` file, weights-only with :data:`ALLOWED`, memory-mapped: a dict (or, with
+    ``tensor_ok``, a bare tensor, as a universal checkpoint's ZeRO-3 parameter file). Raises DsfixError (code 2)."""
+    import pickle
+
+    from patcher.checkpoint.quiet import import_torch_quietly
+
+    import_torch_quietly()  # the first torch import of an engine convert, after its input was checked
+    import torch
+
+    if not path.is_file():
+        raise DsfixError("is missing", path=str(path))
+    if not zipfile.is_zipfile(path):
+        raise DsfixError("is truncated or not a torch.save file (no zip directory at its end); nothing written",
+                         path=str(path))
+    try:
+        with _allowed_globals():
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e)) or re.search(r"function (\S+)", str(e))
+        what = found.group(1) if found else " ".join(str(e).split())[:120]
+        raise DsfixError(f"refused: this file needs {what} to load, which is not one of the types DeepSpeed "
+                         "checkpoints hold; nothing run, nothing written", path=str(path))
+    except DsfixError:
+        raise
+    except MemoryError:
+        raise
+    except Exception as e:
+        msg = " ".join(str(e).split())
+        raise DsfixError(f"not a readable torch.save file (truncated?): {type(e).__name__}: {msg[:160]}; "
+                         "nothing written", path=str(path))
+    if not isinstance(obj, dict) and not (tensor_ok and isinstance(obj, torch.Tensor)):
+        raise DsfixError(f"holds a {type(obj).__name__}, not a DeepSpeed checkpoint's dict", path=str(path))
+    return obj
+
+
+# --------------------------------------------------------------------------- finding the checkpoint
+
+
+class Layout(NamedTuple):
+    """What a step folder holds, from its file names: an engine checkpoint's (``global_stepN``) or a universal
+    checkpoint's (``global_stepN_universal``, :mod:`patcher.checkpoint.universal`)."""
+
+    folder: Path
+    tag: str
+    stage3: bool  # one model_states file per rank
+    model_files: tuple  # rank order (one file for ZeRO-1/2)
+    optim_files: tuple  # rank order (none in a universal checkpoint)
+    precision: str  # "bf16", "fp16" or "fp32": the optimizer files' prefix ("fp32" in a universal checkpoint)
+    universal: bool = False
+
+
+def is_engine_checkpoint(path) -> bool:
+    """True when ``path`` is what ``engine.save_checkpoint`` (or ``ds_to_universal``) wrote: a folder with
+    ``latest``, ``latest_universal`` or step folders holding ``*_model_states.pt``, or such a step folder itself."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return False
+    return ((folder / LATEST).is_file() or (folder / LATEST_UNIVERSAL).is_file()
+            or any(folder.glob("*_model_states.pt")) or any(folder.glob("*/*_model_states.pt")))
+
+
+def step_folder(path, tag: Optional[str] = None) -> tuple[Path, str, str]:
+    """(the step folder to read, its tag, what named it): ``path/TAG`` with ``tag``; else the folder ``latest``
+    names, else the one ``latest_universal`` names (``ds_to_universal`` writes it); else ``path`` itself."""
+    root = Path(path)
+    if tag is not None:
+        folder = root / tag
+        if folder.is_dir():
+            return folder, tag, "--tag"
+        if root.name == tag and any(root.glob("*_model_states.pt")):
+            return root, tag, "--tag"
+        raise DsfixError(f"no folder {tag} here; the steps saved are {examples(_steps(root)) or 'none'}",
+                         path=str(root))
+    for pointer in (LATEST, LATEST_UNIVERSAL):
+        if (root / pointer).is_file():
+            try:
+                tag = (root / pointer).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise DsfixError(f"{pointer} is unreadable: {e}", path=str(root))
+            if not tag or Path(tag).name != tag or not (root / tag).is_dir():
+                raise DsfixError(f"{pointer} names {tag!r}, which is not a folder here (saved: "
+                                 f"{examples(_steps(root)) or 'none'}; pick one with --tag)", path=str(root))
+            return root / tag, tag, pointer
+    return root, root.name, ""
+
+
+def _steps(root: Path) -> list:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
+
+
+def layout_of(folder: Path, tag: str) -> Layout:
+    """An engine checkpoint's step folder: its model and optimizer files, rank by rank."""
+    from patcher.checkpoint import refuse
+
+    refuse.files(folder)
+    optim, precisions = {}, set()
+    for p in folder.glob("*_optim_states.pt"):
+        m = _OPTIM_RE.match(p.name)
+        if m is not None:
+            optim[int(m.group("rank"))] = p
+            precisions.add(m.group("prec") or "fp16")
+    model3 = {int(m.group("rank")): p for p in folder.glob("zero_pp_rank_*_model_states.pt")
+              if (m := MODEL3_RE.match(p.name)) is not None}
+    stage3 = bool(model3)
+    if not stage3 and not (folder / MODEL12).is_file():
+        raise DsfixError(f"no {MODEL12} or zero_pp_rank_R_mp_rank_00_model_states.pt: not a DeepSpeed engine "
+                         "checkpoint folder", path=str(folder))
+    if not optim:
+        raise DsfixError("no *_optim_states.pt: the fp32 master weights of a ZeRO checkpoint are in them "
+                         "(a checkpoint saved without ZeRO, or its optimizer files were removed)", path=str(folder))
+    if len(precisions) > 1:
+        raise DsfixError(f"optimizer files of several precisions ({examples(sorted(precisions))}): two saves in one "
+                         "folder?", path=str(folder))
+    prec = precisions.pop()
+    world = max(optim) + 1
+    check_ranks(folder, prec, optim, world)
+    model_files = rank_files(folder, model3, world) if stage3 else (folder / MODEL12,)
+    return Layout(folder, tag, stage3, model_files, tuple(optim[r] for r in range(world)), prec)
+
+
+def rank_files(folder: Path, model3: dict, world: int) -> tuple:
+    """ZeRO-3's model_states files in rank order; every rank's is needed."""
+    gone = [r for r in range(world) if r not in model3]
+    if gone:
+        raise DsfixError(f"rank {gone[0]}'s file zero_pp_rank_{gone[0]}_mp_rank_00_model_states.pt is missing; "
+                         "every rank's file is needed", path=str(folder))
+    return tuple(model3[r] for r in range(world))
+
+
+def optim_name(precision: str, rank: int) -> str:
+    return f"{'' if precision == 'fp16' else precision + '_'}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def check_ranks(folder: Path, precision: str, present, world: int) -> None:
+    missing = [r for r in range(world) if r not in present]
+    if missing:
+        raise DsfixError(f"rank {missing[0]}'s file {optim_name(precision, missing[0])} is missing"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                         + f"; all {world} ranks' files are needed", path=str(folder))
+
+
+# --------------------------------------------------------------------------- where each element lives
+
+
+class Piece(NamedTuple):
+    """``count`` elements of parameter ``name`` from element ``dst`` on, found in rank ``rank``'s flat group
+    ``group`` from element ``src`` on."""
+
+    rank: int
+    group: int
+    src: int
+    name: str
+    dst: int
+    count: int
+
+
+def zero12_pieces(groups: list, partition: list, world: int, paddings: Optional[list] = None) -> list:
+    """ZeRO-1/2. ``groups``: per parameter group, [(name, numel)] in ``param_shapes`` order; ``partition``:
+    each group's per-rank partition size; ``paddings``: per group, the padding after each parameter (or None).
+    Returns the pieces, rank by rank. Raises ValueError when the parameters do not fit the partitions."""
+    out = []
+    for g, params in enumerate(groups):
+        size = partition[g]
+        pads = paddings[g] if paddings is not None else [0] * len(params)
+        if len(pads) != len(params):
+            raise ValueError(f"group {g} records {len(pads)} paddings for {len(params)} parameters")
+        offset, spans = 0, []
+        for (name, numel), pad in zip(params, pads):
+            spans.append((name, offset, numel))
+            offset += numel + pad
+        if offset > size * world:
+            raise ValueError(f"group {g}'s parameters need {offset} elements but its {world} partitions hold "
+                             f"{size * world}")
+        align = 2 * world  # DeepSpeed pads a group's end to a multiple of 2 x world (and to the partitions)
+        if math.ceil(offset / align) * align != math.ceil(size * world / align) * align:
+            raise ValueError(f"group {g}'s partitions hold {size * world} elements but its parameters "
+                             f"take {offset}: not the layout these files record")
+        for name, start, numel in spans:
+            end = start + numel
+            for r in range(start // size if size else 0, world):
+                lo, hi = max(start, r * size), min(end, (r + 1) * size)
+                if lo >= hi:
+                    break
+                out.append(Piece(r, g, lo - r * size, name, lo - start, hi - lo))
+    out.sort(key=lambda p: p.rank)
+    return out
+
+
+def zero3_pieces(params: list, world: int, group_sizes: list) -> list:
+    """ZeRO-3. ``params``: [(name, numel)] over all groups in ``param_shapes`` order; ``group_sizes``: the
+    elements of each of a rank's flat groups. Returns the pieces, rank by rank; raises ValueError when the
+    groups do not hold exactly the parameters' partitions."""
+    local = sum(math.ceil(n / world) for _, n in params)
+    if local != sum(group_sizes):
+        raise ValueError(f"each rank's flat groups hold {sum(group_sizes)} elements but the parameters' "
+                         f"partitions take {local}")
+    bounds = [0]
+    for s in group_sizes:
+        bounds.append(bounds[-1] + s)
+    out = []
+    for r in range(world):
+        at = 0
+        for name, numel in params:
+            part = math.ceil(numel / world)
+            first = r * part
+            count = min(part, numel - first)
+            src = at
+            while count > 0:  # a slice may cross from one flat group into the next
+                g = next(i for i in range(len(group_sizes)) if bounds[i] <= src < bounds[i + 1])
+                take = min(count, bounds[g + 1] - src)
+                out.append(Piece(r, g, src - bounds[g], name, first, take))
+                src, first, count = src + take, first + take, count - take
+            at += part
+    return out
+
+
+
+# --------------------------------------------------------------------------- reading the ranks' files
+
+
+def numel(shape) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def stream(layout: Layout, meta: dict, world: int, put) -> int:
+    """Reads the ranks' optimizer files one at a time and hands each piece to ``put(name, first element, flat
+    data)``, then the frozen parameters and buffers (:func:`stream_frozen`). Returns the ZeRO stage."""
+    from patcher.checkpoint import refuse
+
+    stage, pieces, sizes0 = None, None, None
+    for rank, path in enumerate(layout.optim_files):
+        osd = load_pt(path).get("optimizer_state_dict")
+        stage = _stage_of(osd, path, stage, layout)
+        refuse.optimizer_states(osd, path)
+        flat = _flat_groups(osd, stage, world, path)
+        sizes = [t.numel() for t in flat]
+        if pieces is None:
+            pieces, sizes0 = _pieces(meta, stage, world, sizes, osd, path), sizes
+        elif sizes != sizes0:
+            raise DsfixError(f"its flat partitions hold {sizes} elements, rank 0's {sizes0}: files of two saves?",
+                             path=str(path))
+        for p in (p for p in pieces if p.rank == rank):
+            put(p.name, p.dst, flat[p.group].narrow(0, p.src, p.count))
+        del osd, flat
+        stream_frozen(meta, layout.model_files, stage == 3, world, rank, put)
+    return stage
+
+
+def _stage_of(osd, path: Path, stage: Optional[int], layout: Layout) -> int:
+    """This file's ZeRO stage, checked against the layout's and rank 0's."""
+    if not isinstance(osd, dict) or "zero_stage" not in osd:
+        raise DsfixError("no optimizer_state_dict with zero_stage: not a ZeRO optimizer file", path=str(path))
+    this = int(osd["zero_stage"])
+    if stage is None and (this == 3) != layout.stage3:
+        raise DsfixError(f"zero_stage {this} but the model_states files are laid out for "
+                         f"ZeRO-{'3' if layout.stage3 else '1/2'}", path=str(path))
+    if stage is not None and this != stage:
+        raise DsfixError(f"zero_stage {this}, but rank 0's file says {stage}: files of two saves?", path=str(path))
+    return this
+
+
+def _flat_groups(osd: dict, stage: int, world: int, path: Path) -> list:
+    """The rank's flat fp32 partitions, one 1-D tensor a parameter group."""
+    import torch
+
+    counts = osd.get("partition_count")
+    counts = counts if isinstance(counts, list) else [counts]
+    if any(int(c) != world for c in counts if c is not None):
+        raise DsfixError(f"partition_count {counts} but {world} ranks saved this checkpoint", path=str(path))
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    flat = osd.get(key)
+    if not isinstance(flat, list) or not all(isinstance(t, torch.Tensor) for t in flat):
+        raise DsfixError(f"no {key}: the fp32 master weights are not in this file", path=str(path))
+    return [t.reshape(-1) for t in flat]
+
+
+def _pieces(meta: dict, stage: int, world: int, sizes: list, osd: dict, path: Path) -> list:
+    try:
+        if stage == 3:
+            params = [(n, numel(s)) for g in meta["param_shapes"] for n, s in g.items()]
+            return zero3_pieces(params, world, sizes)
+        groups = [[(n, numel(s)) for n, s in g.items()] for g in meta["param_shapes"]]
+        if len(groups) != len(sizes):
+            raise ValueError(f"{len(groups)} parameter groups but {len(sizes)} flat partitions")
+        return zero12_pieces(groups, sizes, world, osd.get("param_alignment_paddings"))
+    except ValueError as e:
+        raise DsfixError(f"{e}", path=str(path))
+
+
+def stream_frozen(meta: dict, model_files: tuple, stage3: bool, world: int, rank: int, put) -> None:
+    """Rank ``rank``'s share of the frozen parameters (ZeRO-3: its slice of each, from its model_states file;
+    ZeRO-1/2: all of them whole, from rank 0's) and, on rank 0, the buffers."""
+    frozen_shapes = meta.get("frozen_param_shapes") or {}
+    if stage3 and frozen_shapes:
+        frags = (meta if rank == 0 else load_pt(model_files[rank])).get("frozen_param_fragments") or {}
+        for name, shape in frozen_shapes.items():
+            if name not in frags:
+                raise DsfixError(f"no fragment of frozen {name}", path=str(model_files[rank]))
+            part = math.ceil(numel(shape) / world)
+            count = min(part, numel(shape) - rank * part)
+            if count > 0:
+                put(name, rank * part, frags[name].reshape(-1).narrow(0, 0, count))
+        del frags
+    if rank != 0:
+        return
+    if not stage3:
+        frags = meta.get("frozen_param_fragments") or {}
+        for name in frozen_shapes:
+            if name not in frags:
+                raise DsfixError(f"no frozen_param_fragments entry for {name}", path=str(model_files[0]))
+            put(name, 0, frags[name].reshape(-1))
+    module = meta.get("module") or {}
+    for name in meta.get("buffer_names") or []:
+        if name in module:
+            put(name, 0, module[name].reshape(-1))
