@@ -54,7 +54,7 @@ def test_passes_in_process_and_keeps_stdout_clean(good_checkout, capfd):
     assert set(report.functions) == {"save_hf_format_safetensors", "save_zero_three_model_safetensors"}
     assert report.tensors == 311 and report.device == "cpu" and report.launcher is None
     assert [c.name for c in report.checks] == ["functions", "save", "config", "files", "keys", "shapes", "non-empty",
-                                               "dtype", "tied", "count", "load", "logits"]
+                                               "dtype", "finite", "tied", "count", "load", "logits"]
     assert "[dsfix] verified 311 tensors" in report.save_output
     assert report.peak_rss_mb["this process"] > 0 and report.cuda_peak_mb is None
     assert {"load", "build", "train", "reference", "save", "verify", "reload"} <= set(report.timings)
@@ -128,6 +128,30 @@ def test_fails_on_a_save_without_config(tmp_path):
     assert set(failed(report)) == {"config"}
     assert report.check("non-empty").ok and report.check("count").ok
     assert report.check("logits") is None  # nothing to reload without config.json
+
+
+NAN_SAVE = """
+def save_hf_format_safetensors(model, tokenizer, args, sub_folder=""):
+    from safetensors.torch import save_file
+
+    inner = model.module if hasattr(model, "module") else model
+    out = os.path.join(args.output_dir, sub_folder)
+    os.makedirs(out, exist_ok=True)
+    state = {k: v.detach().clone().contiguous() for k, v in inner.state_dict().items()}
+    state["model.norm.weight"][1] = float("nan")
+    state["model.layers.7.mlp.down_proj.weight"][0, 0] = float("-inf")
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    inner.config.to_json_file(os.path.join(out, "config.json"))
+    tokenizer.save_pretrained(out)
+"""
+
+
+def test_fails_on_weights_that_hold_nan_or_inf(tmp_path):
+    report = run_smoke(make_checkout(tmp_path / "DeepSpeed-Chat", NAN_SAVE), config_path=NARROW, dtype="fp32",
+                       console=quiet_console())
+    assert report.exit_code == 1
+    assert failed(report)["finite"] == ("2 of 311 floating tensors hold NaN or Inf, the first "
+                                        "model.layers.7.mlp.down_proj.weight")
 
 
 def test_a_save_that_raises_is_a_failed_check(tmp_path):

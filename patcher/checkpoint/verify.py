@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from patcher.checkpoint.checks import (
-    CONFIG_NAME, INDEX_NAME, Check, Header, dtype_check, examples, keys_check, load_config,
+    CONFIG_NAME, INDEX_NAME, Check, Header, dtype_check, examples, finite_check, keys_check, load_config,
     nonempty_check, read_headers, shape_text, shapes_check, weight_files,
 )
 from patcher.errors import DsfixError
@@ -209,11 +209,13 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True) -> Verify
     from patcher.checkpoint.quiet import quiet
 
     with quiet():
-        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load) for p in model_folders(path)))
+        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True)
+                                             for p in model_folders(path)))
 
 
-def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> VerifyReport:
-    """Check the model saved in ``path``. Raises DsfixError (code 2) on bad input; failing checks give ok=False."""
+def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite: bool = False) -> VerifyReport:
+    """Check the model saved in ``path``. Raises DsfixError (code 2) on bad input; failing checks give ok=False.
+    ``finite``: also read every floating tensor for NaN and Inf (``dsfix verify`` and ``dsfix smoke`` do)."""
     folder = Path(path)
     if not folder.exists():
         raise DsfixError("no such folder", path=str(path))
@@ -254,6 +256,8 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
     checks.append(nonempty_check(head))
     dtype_row, dtype_name = dtype_check(head, cfg_dtype)
     checks.append(dtype_row)
+    if finite:
+        checks.append(finite_check(folder, head))
     if tie_groups:
         checks.append(_tied_check(folder, head, tie_groups))
     if expect is not None:
