@@ -36,7 +36,8 @@ Why each step is safe
   `config.json`, the generation config and the tokenizer.
 - Then one short final phase moves the new files into place, weights first, and moves the previous
   save's weight files that the new save does not replace (an old `pytorch_model.bin`, old shards) aside.
-  Ctrl-C and SIGTERM wait until it ends. If a move fails, the moves already made are undone.
+  Ctrl-C and SIGTERM wait until it ends. If a move fails, the moves already made are undone. Then the
+  hidden folder goes, and the old files with it.
 - So a failure at any point (a full disk, Ctrl-C, an exception in the tokenizer, a rank that dies under
   ZeRO-3) leaves the previous save's files exactly as they were and nothing of the new one in place, and
   the error names the cause and the folder. Only a process killed outright (SIGKILL, power loss) during
@@ -44,12 +45,13 @@ Why each step is safe
   then still in the hidden folder. The next save removes what a killed save left behind.
 - Weights holding NaN or Inf are saved all the same (a diverged run's weights are still evidence), with
   one warning line naming the first such tensor.
-- If the save fails for any reason but the disk (no space, quota, read-only, file too large), the weights
-  are saved the way upstream saves them, `torch.save` of the same tensors to `pytorch_model.bin` with
-  `config.json`, in the subfolder `dsfix-fallback` of the output folder. One line says so, and why, and
-  that `dsfix convert OUTPUT/dsfix-fallback` turns it into safetensors; then the original error is raised.
+- If the save fails for any reason but the disk (no space, quota, read-only, file too large, permission
+  denied), the weights are saved the way upstream saves them, `torch.save` of the same tensors to
+  `pytorch_model.bin` with `config.json`, in the subfolder `dsfix-fallback` of the output folder. One line
+  says so, and why, and that `dsfix convert OUTPUT/dsfix-fallback` turns it into safetensors; then the
+  original error is raised.
 
-Every line it prints starts with `[dsfix] ` (rank 0 only); every error it raises starts with `dsfix: `.
+Every line it prints starts with `[dsfix] ` (rank 0 only); every error of its own starts with `dsfix: `.
 """
 import atexit
 import contextlib
@@ -61,6 +63,7 @@ import os
 import shutil
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -88,11 +91,15 @@ DTYPES = {
 }
 
 _ORDER = {dtype: i for i, dtype in enumerate(DTYPES)}
-_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# the folder cannot take the save: no space, quota, read-only, file too large, not allowed (the fallback, in a
+# folder inside it, could not either)
+_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM,
+                getattr(errno, "EDQUOT", errno.ENOSPC)}
 _STAGING_PREFIX = ".dsfix-save-"
 _OLD_TMP_SUFFIX = ".dsfix-tmp"  # the temporary files of dsfix's earlier inline save
 _CONFIG_FILES = ("config.json", "generation_config.json")
 _CHECK_ELEMENTS = 1 << 24  # elements per step of the NaN/Inf check
+_HOST_CHUNK_BYTES = 64 * 1024**2  # how much of a tensor on a GPU is copied to the host at a time
 _PENDING = {}  # output folder -> (module, tokenizer) that save_hf_format left to save_zero_three_model
 _REPORT_AT_EXIT = []  # whether _report_unsaved is registered (once)
 
@@ -160,7 +167,8 @@ def _keep_every_key(name):
 def _leave_to_weights_save(module, tokenizer, folder):
     """Rank 0's save_hf_format under ZeRO-3: the config and tokenizer wait for the weights save."""
     if not _REPORT_AT_EXIT:
-        _REPORT_AT_EXIT.append(atexit.register(_report_unsaved))
+        atexit.register(_report_unsaved)
+        _REPORT_AT_EXIT.append(True)
     _PENDING[_folder_key(folder)] = (module, tokenizer)
     _print(f"ZeRO-3 parameters are partitioned: config.json and the tokenizer go to {os.path.normpath(folder)} "
            "with the weights, which save_zero_three_model_safetensors writes on every rank")
@@ -202,9 +210,8 @@ def _save(module, out_dir, rank, gather, config, tokenizer, options):
     tensors, notes, refusal = _plan(module, strategy, gather, options.drop, out_dir)
     buckets = _buckets(tensors, bucket_bytes)
     ranks = _Ranks(gather)
-    staging = _Staging(out_dir) if rank == 0 else None
+    staging = _Staging(out_dir, gather) if rank == 0 else None
     error = refusal
-    finite = _FiniteCount()
     try:
         if staging is not None and error is None:
             error = staging.start(tensors, limit)
@@ -213,7 +220,7 @@ def _save(module, out_dir, rank, gather, config, tokenizer, options):
                 break
             with _gathered(bucket):
                 if staging is not None and error is None:
-                    error = staging.write(bucket, finite)
+                    error = staging.write(bucket)
         if staging is not None and error is None:
             error = staging.finish(config, tokenizer)
         outcome = ranks.outcome(error)
@@ -225,7 +232,7 @@ def _save(module, out_dir, rank, gather, config, tokenizer, options):
         staging.discard()
     if outcome is None:
         if staging is not None:
-            _report(staging, tensors, notes, finite)
+            _report(staging, tensors, notes)
         return
     _fail(module, tensors, buckets, out_dir, rank, tokenizer, error, outcome)
 
@@ -244,9 +251,10 @@ def _fail(module, tensors, buckets, out_dir, rank, tokenizer, error, outcome):
                     "as pytorch_model.bin", folder)
 
 
-def _report(staging, tensors, notes, finite):
+def _report(staging, tensors, notes):
     for note in notes:
         _print(note)
+    finite = staging.finite
     if finite.bad:
         _print(f"WARNING: {len(finite.bad)} of {len(tensors)} tensors hold NaN or Inf, the first "
                f"{finite.bad[0]}; saved all the same (a diverged run's weights are still evidence)")
@@ -433,15 +441,19 @@ class WeightWriter:
             os.ftruncate(fd, f.size)
 
     def write(self, name, data):
-        """`data`: the tensor's values, on any device; its dtype and shape must be the header's."""
+        """`data`: the tensor's values, on any device; its dtype and shape must be the header's. From a GPU
+        it comes to the host _HOST_CHUNK_BYTES at a time, so the host holds no more than that of it."""
         f, planned = self._home[name]
         if data.dtype != planned.dtype or tuple(data.shape) != tuple(planned.shape) or data.device.type == "meta":
             raise RuntimeError(f"dsfix: {name} is {list(data.shape)} {data.dtype} on {data.device} but the header "
                                f"says {list(planned.shape)} {planned.dtype}")
-        data = data.detach().to("cpu").contiguous()  # held here while its bytes are written
-        if data.numel():
-            view = (ctypes.c_ubyte * planned.nbytes).from_address(data.data_ptr())
-            _pwrite_all(self._fds[f.name], memoryview(view).cast("B"), f.offsets[name])
+        flat = data.detach().reshape(-1)  # a copy only for a view that is not contiguous
+        step = _HOST_CHUNK_BYTES // flat.element_size() if flat.device.type != "cpu" else max(1, flat.numel())
+        for start in range(0, flat.numel(), step):
+            part = flat[start:start + step].to("cpu")  # held here while its bytes are written
+            view = (ctypes.c_ubyte * (part.numel() * part.element_size())).from_address(part.data_ptr())
+            _pwrite_all(self._fds[f.name], memoryview(view).cast("B"), f.offsets[name] + start * part.element_size())
+            del part, view  # before the next piece comes
         self._written.add(name)
 
     def finish(self):
@@ -492,22 +504,32 @@ def _write_text(path, text):
 def is_finite(tensor, chunk_elements=_CHECK_ELEMENTS):
     """Whether `tensor` holds no NaN and no Inf (integers always hold none). Checked `chunk_elements` at a
     time through each chunk's minimum and maximum, which are NaN or infinite when any element is: no copy
-    of the tensor, but a chunk widened to float32 where torch has no min/max for its dtype (float8)."""
+    of the tensor, but a chunk widened to float32 where this torch has no min/max for its dtype (float8;
+    float16 on the CPU before torch 2.2)."""
     if not tensor.is_floating_point() or not tensor.numel():
         return True
     flat = tensor.detach().reshape(-1)
+    widen = not _has_aminmax(flat.device.type, flat.dtype)
     for start in range(0, flat.numel(), chunk_elements):
         part = flat[start:start + chunk_elements]
-        if part.element_size() == 1:
-            part = part.float()
-        low, high = torch.aminmax(part)
+        low, high = torch.aminmax(part.float() if widen else part)
         if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
             return False
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _has_aminmax(device_type, dtype):
+    try:
+        torch.aminmax(torch.zeros(2, dtype=dtype, device=device_type))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 class _FiniteCount:
-    """The tensors written that hold NaN or Inf, in write order; a tied alias's memory checked once."""
+    """The tensors written that hold NaN or Inf, in write order; a tied alias's memory checked once. Called
+    from one checking thread at a time, in order."""
 
     def __init__(self):
         self.bad = []
@@ -532,11 +554,14 @@ class _Staging:
     """Rank 0's new save, put together in a hidden folder inside the output folder, then moved into place.
     `start`, `write` and `finish` return the first error instead of raising it (the ranks decide together)."""
 
-    def __init__(self, out_dir):
+    def __init__(self, out_dir, gather):
         self.out = os.path.normpath(out_dir)
         self.path = os.path.join(self.out, f"{_STAGING_PREFIX}{os.getpid()}")
+        self.gather = gather  # whether each bucket's memory is let go after it (ZeRO-3 gathers)
         self.writer = None
         self.weight_names, self.other_names, self.removed = [], [], []
+        self.finite = _FiniteCount()
+        self.checker, self.checks = None, []  # the thread that checks for NaN and Inf, and its work
 
     def start(self, tensors, limit):
         try:
@@ -546,25 +571,38 @@ class _Staging:
             os.mkdir(self.path)
             self.writer = WeightWriter(self.path, layout_files(tensors, limit))
             self.writer.open()
+            self.checker = ThreadPoolExecutor(max_workers=1)
         except Exception as exc:
             return exc
         return None
 
-    def write(self, bucket, finite):
-        finite.new_bucket()
+    def write(self, bucket):
+        """Writes the bucket's tensors, each checked for NaN and Inf meanwhile in a second thread (torch's
+        kernels and the file writes both let the other thread run): the check takes time the writes and the
+        fsyncs leave idle. A gathered bucket's checks end before its memory is let go; else they run on
+        while the files are fsynced."""
         try:
             for t in bucket:
                 data = (t.tensor if t.param is None else t.param.data).detach()
-                finite.check(t.name, data)
+                self.checks.append(self.checker.submit(self.finite.check, t.name, data))
                 self.writer.write(t.name, data)
+            if self.gather:
+                self._end_checks()
+                self.finite.new_bucket()
         except Exception as exc:
             return exc
         return None
+
+    def _end_checks(self):
+        while self.checks:
+            self.checks.pop(0).result()  # raises what the check raised
 
     def finish(self, config_module, tokenizer):
         """The weights checked, then the config and tokenizer staged, then everything moved into place."""
         try:
             self.weight_names = self.writer.finish()
+            self._end_checks()
+            self.checker.shutdown()
             _stage_config(config_module, self.path)
             _stage_tokenizer(tokenizer, self.path)
             staged = sorted(os.listdir(self.path))
@@ -602,6 +640,8 @@ class _Staging:
         _remove_leftovers(self.out)
 
     def discard(self):
+        if self.checker is not None:
+            self.checker.shutdown(wait=True, cancel_futures=True)
         if self.writer is not None:
             self.writer.close()
         shutil.rmtree(self.path, ignore_errors=True)
