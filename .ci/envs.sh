@@ -57,8 +57,8 @@ case "$which_env" in
     # _allgather_base in Gloo process group") and no bf16 collectives ("Invalid scalar type"), which
     # DeepSpeed's ZeRO-3 needs; on GPUs it runs on NCCL. The patched save and reload on ZeRO-0: the demo
     # (check, apply and smoke on a fixture checkout) and smoke's exit codes (apply, then smoke).
-    tests=(tests/test_versions.py tests/test_template.py
-           tests/test_template_zero3.py::test_zero0_one_rank
+    tests=(tests/test_versions.py tests/test_save_module.py
+           tests/test_save_module_ranks.py::test_zero0_save_and_fallback
            tests/test_smoke.py tests/test_verify.py
            tests/test_cli_model.py::test_demo_passes tests/test_cli_model.py::test_smoke_exit_codes
            --deselect tests/test_smoke.py::test_full_qwen3_0_6b_config_in_process  # the demo runs that config
@@ -73,7 +73,7 @@ case "$which_env" in
       install python -m pip install -q "torch==$TORCH_VERSION"
       install python -m pip install -q -e '.[smoke]' 'transformers>=5,<6' 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2'
     }
-    tests=(tests/test_versions.py tests/test_template.py tests/test_smoke.py tests/test_verify.py tests/test_convert.py
+    tests=(tests/test_versions.py tests/test_save_module.py tests/test_smoke.py tests/test_verify.py tests/test_convert.py
            tests/test_cli_model.py
            --deselect tests/test_smoke.py::test_full_qwen3_0_6b_config_in_process)  # test_demo_passes runs it
     ;;

@@ -5,12 +5,12 @@ For each rank count (2 and 4 by default) one launcher run builds a full-size Qwe
 random bf16 weights, tied embeddings) on every rank, wraps it in a DeepSpeed ZeRO-3 engine (gloo, plain
 SGD, every parameter partitioned: the most gathers), then saves it over and over, methods alternated:
 
-  dsfix one at a time       the template's save_zero_three_model_safetensors, _DSFIX_GATHER_BUCKET_MB = 0
+  dsfix one at a time       the save module's save_zero_three_model, gather_bucket_mb=0
   dsfix bucketed            the same with the default bucket (the default since bucketing exists)
   ... dedupe                the same with strategy="dedupe": the tied lm_head left out, as upstream does
   upstream torch.save       upstream's algorithm: gather each parameter, rank 0 copies it, torch.save
   DeepSpeed save_16bit      engine.save_16bit_model (stage3_gather_16bit_weights_on_model_save)
-  dsfix plain, 1 rank       the template's save of an ordinary copy of the model on rank 0, no ZeRO
+  dsfix plain, 1 rank       the save module's save of an ordinary copy of the model on rank 0, no ZeRO
 
 Reported per method: wall time of the slowest rank (every file fsynced inside it), peak RSS during the save
 above the RSS before it on rank 0 and on the other ranks (Linux VmHWM, reset first), bytes written,
@@ -99,7 +99,7 @@ def worker(args):
                                   config=config)[0]
     plain = common.build_model(args.config) if rank == 0 and "plain" in args.methods else None
     build_s = time.perf_counter() - started
-    template = common.template()
+    save = common.save_module()
     largest = max(p.ds_numel * p.element_size() for p in engine.module.parameters())
     model_bytes = sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
     gathers = common.load_file_module("fixtures", "step1_trainer", "train.py").count_gathers(deepspeed)
@@ -110,21 +110,21 @@ def worker(args):
     for round_ in range(args.rounds):
         for method in methods[round_ % len(methods):] + methods[:round_ % len(methods)]:
             out = os.path.join(args.work, "%d-ranks-%s" % (world, method))
-            template._DSFIX_GATHER_BUCKET_MB = 0 if method == "one" else args.bucket_mb
+            bucket_mb = 0 if method == "one" else args.bucket_mb
             dist.barrier()
             rss, gathers[0] = common.reset_peak(), 0
             dist.barrier()
             begin = time.perf_counter()
             if method in ("one", "bucketed", "dedupe"):
-                template.save_zero_three_model_safetensors(engine, rank, out, zero_stage=3,
-                                                           strategy="dedupe" if method == "dedupe" else "clone")
+                save.save_zero_three_model(engine, out, global_rank=rank, zero_stage=3, gather_bucket_mb=bucket_mb,
+                                           strategy="dedupe" if method == "dedupe" else "clone")
             elif method == "upstream":
                 os.makedirs(out, exist_ok=True)
                 upstream_save(engine, rank, out)
             elif method == "deepspeed":
                 engine.save_16bit_model(out, "pytorch_model.bin")
             elif method == "plain" and rank == 0:
-                template.save_zero_three_model_safetensors(plain, 0, out, zero_stage=0)
+                save.save_zero_three_model(plain, out, global_rank=0, zero_stage=0)
             elif method == "gather":
                 gather_alone(engine, args.bucket_mb * common.MIB)
             if rank == 0:
@@ -219,7 +219,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="rounds over all methods (default 3, --quick 1)")
     parser.add_argument("--config", default=None, help="a Qwen3 config.json (default: the bundled Qwen3-0.6B)")
     parser.add_argument("--methods", default=",".join(m for m, _ in METHODS), help="a comma-separated subset")
-    parser.add_argument("--bucket-mb", type=float, default=None, help="the gather bucket (default: the template's)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="the gather bucket (default: the module's)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per launcher run")
     parser.add_argument("--tmpdir", default=None, help="where to write (default: the system's temporary folder)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -234,7 +234,7 @@ def main(argv=None):
         require_or_exit("bench_zero3", deepspeed="a ZeRO-3 benchmark")
     args.config = args.config or (common.NARROW_CONFIG if args.quick else common.FULL_CONFIG)
     args.rounds = args.rounds or (1 if args.quick else 3)
-    args.bucket_mb = common.template()._DSFIX_GATHER_BUCKET_MB if args.bucket_mb is None else args.bucket_mb
+    args.bucket_mb = common.save_module().DEFAULT_GATHER_BUCKET_MB if args.bucket_mb is None else args.bucket_mb
     if args.worker:
         return worker(args)
     work = tempfile.mkdtemp(prefix="dsfix-bench-z3-", dir=args.tmpdir)

@@ -15,7 +15,8 @@ MIB = 1024.0 * 1024.0
 
 
 def load_file_module(*parts):
-    """A module loaded from a file under the repository (the template, a fixture), as a user's utils.py is."""
+    """A module loaded from a file under the repository (the save module, a fixture), as a user's utils.py
+    imports the save module `dsfix apply` puts beside it: from its file, not as part of dsfix."""
     path = os.path.join(REPO_ROOT, *parts)
     spec = importlib.util.spec_from_file_location("bench_" + os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(spec)
@@ -23,8 +24,8 @@ def load_file_module(*parts):
     return module
 
 
-def template():
-    return load_file_module("templates", "save_safetensors.py")
+def save_module():
+    return load_file_module("templates", "dsfix_safetensors.py")
 
 
 def article_save():
@@ -124,20 +125,24 @@ def _status(field):
 
 def reset_peak():
     """Returns freed heap memory to the system (so that what an earlier method freed cannot hide what the next
-    one allocates), resets this process's peak RSS (Linux clear_refs 5) and returns the RSS now."""
+    one allocates), resets this process's peak RSS (Linux clear_refs 5) and returns the RSS now; None where
+    the peak cannot be reset (a sandboxed kernel without clear_refs): no peak is reported then."""
     import ctypes
     import gc
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return None
     return _status("VmRSS")
 
 
 def peak_since(rss_before):
-    """Peak RSS since reset_peak(), above what it returned, in bytes."""
-    return max(0, _status("VmHWM") - rss_before)
+    """Peak RSS since reset_peak(), above what it returned, in bytes; None when reset_peak could not reset it."""
+    return None if rss_before is None else max(0, _status("VmHWM") - rss_before)
 
 
 def median(values):

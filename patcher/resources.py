@@ -6,7 +6,6 @@ installed wheel's package data (``patcher.templates``, ``patcher._fixtures``).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from patcher.errors import DsfixError
@@ -34,16 +33,3 @@ def resource_path(folder: str, rel: str) -> Path:
     except (ModuleNotFoundError, TypeError, FileNotFoundError):
         pass
     raise DsfixError(f"{folder}/{rel} is missing from this dsfix installation; reinstall dsfix")
-
-
-@functools.lru_cache(maxsize=None)
-def load_module(folder: str, rel: str):
-    """The module in ``folder``/``rel`` (a template, a fixture's helper), imported once under its own name.
-    The template imports torch: the torch side alone loads it this way (the patch path reads it as text)."""
-    import importlib.util
-
-    path = resource_path(folder, rel)
-    spec = importlib.util.spec_from_file_location(f"dsfix_{folder}_{Path(rel).stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -1,173 +1,371 @@
-"""dsfix's save module (a development stand-in, built from the v3 block)."""
+"""dsfix's final save for DeepSpeed-Chat: Hugging Face folders as safetensors, tied weights included.
+
+`dsfix apply` copied this file, byte for byte, beside your DeepSpeed-Chat `utils.py`, and added two short
+functions to that `utils.py`, `save_hf_format_safetensors` and `save_zero_three_model_safetensors`, that
+call `save_hf_format` and `save_zero_three_model` below with the options chosen at apply time.
+`dsfix revert` removes this file and those two functions. The file imports torch and safetensors (and
+DeepSpeed under ZeRO-3), never numpy, transformers or dsfix. Tested with Python 3.9+, torch 2.1+,
+transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.15.4+ (the oldest versions dsfix supports).
+
+What it writes into the output folder
+- `model.safetensors`, or shards `model-00001-of-0000N.safetensors` and `model.safetensors.index.json`
+  above `max_shard_size` bytes (5 GiB by default). Every key of `state_dict()` but those with "lora" in
+  the name, as upstream's save (a fork's own rule comes as `drop`). A weight that shares memory with
+  another (Qwen3's `lm_head.weight` is its `embed_tokens.weight`) is written in full as its own copy under
+  strategy "clone" (Qwen3-0.6B: 311 tensors), or left out under "dedupe" (310, as transformers'
+  `save_pretrained`; transformers ties it again on load). Each file's header and offsets are the ones
+  safetensors' own `save_file` writes for the same tensors, so every reader loads them.
+- `config.json`, `generation_config.json` when the model has a generation config, and the tokenizer
+  (`save_pretrained`, else `save_vocabulary`, upstream's own call).
+
+ZeRO-3
+- Gathering partitioned parameters is a collective: every rank must call `save_zero_three_model`, and
+  DeepSpeed-Chat's step 1 does. The parameters are gathered in buckets (whole modules, up to 256 MiB;
+  `gather_bucket_mb=0` gathers one at a time), so no rank holds more of the model than one bucket; rank 0
+  writes each gathered tensor into its place in the file and alone touches the disk.
+- Step 1 calls `save_hf_format` on rank 0 first. With the parameters partitioned that call writes
+  nothing: it leaves the config and the tokenizer to the weights save that follows, so that they are put
+  in place after the weights, together.
+- After each bucket the ranks agree whether rank 0's writing failed, so all stop together and none is
+  left waiting in a gather.
+
+Why each step is safe
+- Nothing is written into the output folder until everything is ready: rank 0 puts the whole new save
+  together in a hidden folder inside it (`.dsfix-save-<pid>`): the weights, written, fsynced and checked
+  (safetensors opens each file, its header reads back as written, every tensor was written), then
+  `config.json`, the generation config and the tokenizer.
+- Then one short final phase moves the new files into place, weights first, and moves the previous
+  save's weight files that the new save does not replace (an old `pytorch_model.bin`, old shards) aside.
+  Ctrl-C and SIGTERM wait until it ends. If a move fails, the moves already made are undone. Then the
+  hidden folder goes, and the old files with it.
+- So a failure at any point (a full disk, Ctrl-C, an exception in the tokenizer, a rank that dies under
+  ZeRO-3) leaves the previous save's files exactly as they were and nothing of the new one in place, and
+  the error names the cause and the folder. Only a process killed outright (SIGKILL, power loss) during
+  the final phase, a few renames long, can leave part of the new files in place; the previous ones are
+  then still in the hidden folder. The next save removes what a killed save left behind.
+- Weights holding NaN or Inf are saved all the same (a diverged run's weights are still evidence), with
+  one warning line naming the first such tensor.
+- If the save fails for any reason but the disk (no space, quota, read-only, file too large, permission
+  denied), the weights are saved the way upstream saves them, `torch.save` of the same tensors to
+  `pytorch_model.bin` with `config.json`, in the subfolder `dsfix-fallback` of the output folder. One line
+  says so, and why, and that `dsfix convert OUTPUT/dsfix-fallback` turns it into safetensors; then the
+  original error is raised.
+
+Every line it prints starts with `[dsfix] ` (rank 0 only); every error of its own starts with `dsfix: `.
+"""
+import atexit
+import contextlib
 import ctypes
+import errno
+import functools
 import json
 import os
+import shutil
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
-# Added by dsfix (for Python 3.9+, torch 2.1+, transformers 4.51+, safetensors 0.4.3+, DeepSpeed 0.15.4+);
-# `dsfix revert` removes it. save_hf_format_safetensors and save_zero_three_model_safetensors replace
-# save_hf_format and save_zero_three_model: they write config.json, the tokenizer and model.safetensors
-# (shards and an index above _DSFIX_MAX_SHARD_SIZE bytes), a tensor that shares storage with another
-# (Qwen3's tied lm_head) in full, each at a multiple of its element size where safetensors puts it.
-# Under ZeRO-3 every rank gathers whole modules up to _DSFIX_GATHER_BUCKET_MB at a time (0: one parameter
-# at a time) and rank 0 writes them. Each file is written under a temporary name, checked, then renamed.
 VERSION = 4
-_DSFIX_STRATEGY = "clone"
-_DSFIX_MAX_SHARD_SIZE = 5 * 1024**3
-_DSFIX_GATHER_BUCKET_MB = 256
-_DSFIX_TMP_SUFFIX = ".dsfix-tmp"
-_DSFIX_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",
-                 torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3",
-                 torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+__all__ = [
+    "VERSION", "DTYPES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_GATHER_BUCKET_MB", "FALLBACK_FOLDER", "INDEX_NAME",
+    "SaveError", "save_hf_format", "save_zero_three_model", "find_overlap", "is_finite", "PlannedTensor",
+    "WeightFile", "layout_files", "WeightWriter",
+]
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+DEFAULT_GATHER_BUCKET_MB = 256
+FALLBACK_FOLDER = "dsfix-fallback"
+INDEX_NAME = "model.safetensors.index.json"
+
+# torch dtype -> safetensors' code, in the order safetensors puts tensors in a file: larger elements first,
+# so each tensor starts at a multiple of its element size
+DTYPES = {
+    torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16",
+    torch.float16: "F16", torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+_ORDER = {dtype: i for i, dtype in enumerate(DTYPES)}
+# the folder cannot take the save: no space, quota, read-only, file too large, not allowed (the fallback, in a
+# folder inside it, could not either)
+_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM,
+                getattr(errno, "EDQUOT", errno.ENOSPC)}
+_STAGING_PREFIX = ".dsfix-save-"
+_OLD_TMP_SUFFIX = ".dsfix-tmp"  # the temporary files of dsfix's earlier inline save
+_CONFIG_FILES = ("config.json", "generation_config.json")
+_CHECK_ELEMENTS = 1 << 24  # elements per step of the NaN/Inf check
+_HOST_CHUNK_BYTES = 64 * 1024**2  # how much of a tensor on a GPU is copied to the host at a time
+_PENDING = {}  # output folder -> (module, tokenizer) that save_hf_format left to save_zero_three_model
+_REPORT_AT_EXIT = []  # whether _report_unsaved is registered (once)
 
 
-def save_hf_format_safetensors(model, tokenizer, args, sub_folder="", *, max_shard_size=None, strategy=None):
-    """Like save_hf_format, with its parameters, but writes config.json, the tokenizer and model.safetensors."""
-    output_dir = os.path.join(args.output_dir, sub_folder)
-    _dsfix_save_hf_format(model, tokenizer, output_dir, max_shard_size=max_shard_size, strategy=strategy)
+class SaveError(RuntimeError):
+    """A save that wrote nothing into ``folder``; ``cause`` is what failed (None on the ranks other than 0)."""
+
+    def __init__(self, message, folder, cause=None):
+        super().__init__(message)
+        self.folder = folder
+        self.cause = cause
 
 
-def save_zero_three_model_safetensors(model_ema, global_rank, save_dir, zero_stage=0, *, max_shard_size=None, strategy=None):
-    """Like save_zero_three_model, with its parameters, but writes model.safetensors; call it on every rank."""
-    _dsfix_save_zero_three_model(model_ema, save_dir, global_rank=global_rank, zero_stage=zero_stage, max_shard_size=max_shard_size, strategy=strategy)
+# --------------------------------------------------------------------------- the two save functions
 
 
-class _DsfixTensor(NamedTuple):
-    """A tensor to write: ``param``, a ZeRO-3 parameter gathered first, else ``tensor``, from state_dict()."""
-    name: str
-    tensor: object
-    param: object
-    shape: tuple  # as the model holds it (ds_shape under ZeRO-3)
-    nbytes: int
+def save_hf_format(model, tokenizer, output_dir, *, global_rank=None, strategy="clone", drop=None,
+                   max_shard_size=None, gather_bucket_mb=None):
+    """What DeepSpeed-Chat's `save_hf_format` saves, as safetensors: the weights, `config.json`, the
+    generation config and the tokenizer, into `output_dir`.
 
-
-class _DsfixFile(NamedTuple):
-    """A file: the ``header``, then the tensors, each at ``offsets[name]`` after it; ``tmp`` until checked."""
-    name: str
-    tensors: list
-    header: bytes
-    offsets: dict
-    tmp: str
-
-
-def _dsfix_save_hf_format(model, tokenizer, output_dir, global_rank=None, max_shard_size=None, strategy=None,
-                          gather_bucket_mb=None, drop=None):
-    """config.json, the tokenizer and the weights (under ZeRO-3 only if every rank calls it with its ``global_rank``).
-    ``drop(name)``: whether to leave a tensor out; None: upstream's rule, every name with "lora" in it."""
-    module = _dsfix_unwrap(model)
+    Call it on rank 0, as step 1 does, or on every rank with its `global_rank`. Under ZeRO-3, a call on
+    rank 0 alone cannot gather: it hands the config and the tokenizer to `save_zero_three_model`, which
+    every rank calls next into the same folder. `drop(name)` tells whether to leave a tensor out; None is
+    upstream's rule, every name with "lora" in it."""
+    module = _unwrap(model)
     partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
-    rank = global_rank or 0
-    if rank == 0:
-        _dsfix_save_config_and_tokenizer(module, tokenizer, output_dir)
     if partitioned and global_rank is None:
-        _dsfix_print("ZeRO-3 parameters are partitioned: wrote config and tokenizer to %s; the weights are "
-                     "written by save_zero_three_model_safetensors" % (os.path.normpath(output_dir),))
-    elif partitioned or rank == 0:
-        _dsfix_save_weights(module, output_dir, rank, partitioned, max_shard_size, strategy, gather_bucket_mb, drop)
+        _leave_to_weights_save(module, tokenizer, output_dir)
+        return
+    rank = global_rank or 0
+    if partitioned or rank == 0:
+        _save(module, output_dir, rank, partitioned, module, tokenizer,
+              _Options(strategy, drop, max_shard_size, gather_bucket_mb))
 
 
-def _dsfix_save_zero_three_model(model, save_dir, global_rank=None, zero_stage=3, tokenizer=None,
-                                 max_shard_size=None, strategy=None, gather_bucket_mb=None, drop=None,
-                                 with_config=False):
-    """Every rank calls it: the weights (below stage 3 with no ``drop``, every key, as upstream), the tokenizer."""
-    if global_rank is None:  # asks torch
-        global_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    module = _dsfix_unwrap(model)
-    if global_rank == 0:
-        _dsfix_save_config_and_tokenizer(module if with_config else None, tokenizer, save_dir)
-    if zero_stage == 3 or global_rank == 0:
-        _dsfix_save_weights(module, save_dir, global_rank, zero_stage == 3, max_shard_size, strategy, gather_bucket_mb,
-                            drop if drop is not None or zero_stage == 3 else (lambda name: False))
+def save_zero_three_model(model, save_dir, *, global_rank=None, zero_stage=3, tokenizer=None, with_config=False,
+                          strategy="clone", drop=None, max_shard_size=None, gather_bucket_mb=None):
+    """What DeepSpeed-Chat's `save_zero_three_model` saves, as safetensors; every rank calls it.
+
+    At stage 3 every rank gathers and rank 0 writes; below it rank 0 writes and, with no `drop`, every key
+    (upstream leaves "lora" names out at stage 3 only). The config (`with_config`, or when `save_hf_format`
+    left it here) and the `tokenizer` are written after the weights."""
+    if global_rank is None:
+        ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+        global_rank = torch.distributed.get_rank() if ready else 0
+    gather = zero_stage == 3
+    if not gather and global_rank != 0:
+        return
+    if drop is None and not gather:
+        drop = _keep_every_key
+    module = _unwrap(model)
+    left = _PENDING.pop(_folder_key(save_dir), None)
+    config = module if with_config or left is not None else None
+    if tokenizer is None and left is not None:
+        tokenizer = left[1]
+    _save(module, save_dir, global_rank, gather, config, tokenizer,
+          _Options(strategy, drop, max_shard_size, gather_bucket_mb))
 
 
-def _dsfix_save_weights(module, out_dir, rank, gather, max_shard_size, strategy, bucket_mb, drop):
-    """Every rank walks the buckets, rank 0 writes, checks and renames the files; a failure leaves none."""
-    strategy = strategy or _DSFIX_STRATEGY
-    limit = _DSFIX_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
-    if strategy not in ("clone", "dedupe"):
-        raise ValueError('dsfix: strategy must be "clone" or "dedupe", not %r' % (strategy,))
-    if isinstance(limit, str) or int(limit) <= 0:
-        raise ValueError("dsfix: max_shard_size must be a positive number of bytes, not %r" % (limit,))
-    tensors, notes = _dsfix_plan(module, strategy, gather, drop)
-    buckets = _dsfix_buckets(tensors, bucket_mb)
-    files = _dsfix_files(tensors, int(limit), out_dir) if rank == 0 else []  # rank 0 writes them all
+def _keep_every_key(name):
+    return False
+
+
+def _leave_to_weights_save(module, tokenizer, folder):
+    """Rank 0's save_hf_format under ZeRO-3: the config and tokenizer wait for the weights save."""
+    if not _REPORT_AT_EXIT:
+        atexit.register(_report_unsaved)
+        _REPORT_AT_EXIT.append(True)
+    _PENDING[_folder_key(folder)] = (module, tokenizer)
+    _print(f"ZeRO-3 parameters are partitioned: config.json and the tokenizer go to {os.path.normpath(folder)} "
+           "with the weights, which save_zero_three_model_safetensors writes on every rank")
+
+
+def _report_unsaved():
+    for folder in _PENDING:
+        _print(f"config.json and the tokenizer for {folder} were not written: no weights save followed")
+
+
+def _folder_key(folder):
+    return os.path.normpath(os.path.abspath(folder))
+
+
+class _Options(NamedTuple):
+    strategy: object
+    drop: object
+    max_shard_size: object
+    gather_bucket_mb: object
+
+    def checked(self):
+        """(strategy, shard limit in bytes, bucket in bytes); a ValueError for a value that cannot be."""
+        strategy = "clone" if self.strategy is None else self.strategy
+        if strategy not in ("clone", "dedupe"):
+            raise ValueError(f'dsfix: strategy must be "clone" or "dedupe", not {strategy!r}')
+        limit = DEFAULT_MAX_SHARD_SIZE if self.max_shard_size is None else self.max_shard_size
+        if isinstance(limit, (str, bytes, bool)) or int(limit) <= 0:
+            raise ValueError(f"dsfix: max_shard_size must be a positive number of bytes, not {limit!r}")
+        bucket_mb = DEFAULT_GATHER_BUCKET_MB if self.gather_bucket_mb is None else self.gather_bucket_mb
+        return strategy, int(limit), bucket_mb * 1024**2
+
+
+# --------------------------------------------------------------------------- one save, from plan to publish
+
+
+def _save(module, out_dir, rank, gather, config, tokenizer, options):
+    """Every rank walks the same buckets; rank 0 stages, checks and publishes; all learn rank 0's outcome."""
+    strategy, limit, bucket_bytes = options.checked()
+    tensors, notes, refusal = _plan(module, strategy, gather, options.drop, out_dir)
+    buckets = _buckets(tensors, bucket_bytes)
+    ranks = _Ranks(gather)
+    staging = _Staging(out_dir, gather) if rank == 0 else None
+    error = refusal
     try:
-        error = _dsfix_stream(files, buckets)
-        if error is not None:
-            raise RuntimeError("dsfix: writing the weights to %s failed: %s" % (out_dir, error)) from error
-        if rank == 0:
-            _dsfix_publish(files, out_dir, tensors, notes)
-    except BaseException:
-        for f in files:
-            if os.path.exists(f.tmp):
-                os.remove(f.tmp)
+        if staging is not None and error is None:
+            error = staging.start(tensors, limit)
+        for bucket in buckets:
+            if ranks.any_failed(error is not None):
+                break
+            with _gathered(bucket):
+                if staging is not None and error is None:
+                    error = staging.write(bucket)
+        if staging is not None and error is None:
+            error = staging.finish(config, tokenizer)
+        outcome = ranks.outcome(error)
+    except BaseException:  # Ctrl-C, or a collective that failed (a rank died): no fallback, nothing in place
+        if staging is not None:
+            staging.discard()
         raise
+    if staging is not None and error is not None:
+        staging.discard()
+    if outcome is None:
+        if staging is not None:
+            _report(staging, tensors, notes)
+        return
+    _fail(module, tensors, buckets, out_dir, rank, tokenizer, error, outcome)
 
 
-def _dsfix_plan(module, strategy, gather, drop):
-    """([_DsfixTensor], notes) in state_dict order, but a ZeRO-3 alias right after its parameter."""
+def _fail(module, tensors, buckets, out_dir, rank, tokenizer, error, outcome):
+    """Raises the failure on every rank, after the fallback save unless the disk failed."""
+    disk, text = outcome
+    folder = os.path.normpath(out_dir)
+    if disk:
+        message = f"dsfix: could not save to {folder}: {text}; the folder is as it was before this save"
+        raise SaveError(message, folder, error) from error
+    fallback = _fallback(module, tensors, buckets, out_dir, rank, tokenizer, text)
+    if error is not None:
+        raise error
+    raise SaveError(f"dsfix: the save to {folder} failed on rank 0 ({text}); the weights went to {fallback} "
+                    "as pytorch_model.bin", folder)
+
+
+def _report(staging, tensors, notes):
+    for note in notes:
+        _print(note)
+    finite = staging.finite
+    if finite.bad:
+        _print(f"WARNING: {len(finite.bad)} of {len(tensors)} tensors hold NaN or Inf, the first "
+               f"{finite.bad[0]}; saved all the same (a diverged run's weights are still evidence)")
+    names = staging.weight_names
+    shards = f" ({len(names) - 1} shards)" if len(names) > 1 else ""
+    _print(f"saved weights to {os.path.join(staging.out, names[-1])}{shards}")
+    empty = sum(1 for t in tensors if not t.nbytes)
+    held = f" but the {empty} the model holds empty" if empty else ""
+    _print(f"verified {len(tensors)} tensors (names, shapes, dtypes; none empty{held})")
+    configs = [n for n in staging.other_names if n in _CONFIG_FILES]
+    others = len(staging.other_names) - len(configs)
+    if staging.other_names:
+        files = configs + ([f"{others} tokenizer file{'s' if others > 1 else ''}"] if others else [])
+        listed = ", ".join(files[:-1]) + " and " + files[-1] if len(files) > 1 else files[0]
+        _print(f"wrote {listed} to {staging.out}, after the weights")
+    if staging.removed:
+        more = f" (+{len(staging.removed) - 3} more)" if len(staging.removed) > 3 else ""
+        _print(f"removed stale {', '.join(staging.removed[:3])}{more} from {staging.out}")
+
+
+# --------------------------------------------------------------------------- what to write
+
+
+class PlannedTensor(NamedTuple):
+    """A tensor to write: its `name`, `dtype` and `shape` as the model holds it (`ds_shape` under ZeRO-3);
+    `tensor`, the value from `state_dict()`; `param`, the ZeRO-3 parameter to gather first, or None."""
+    name: str
+    dtype: object
+    shape: tuple
+    tensor: object = None
+    param: object = None
+
+    @property
+    def nbytes(self):
+        count = 1
+        for size in self.shape:
+            count *= int(size)
+        return count * _itemsize(self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _plan(module, strategy, gather, drop, out_dir):
+    """([PlannedTensor] in state_dict order, a ZeRO-3 alias right after its parameter; notes; a refusal):
+    the refusal is a ValueError for a dtype safetensors cannot store (the fallback saves it), else None."""
     params = dict(module.named_parameters(remove_duplicate=False))
     buffers = dict(module.named_buffers(remove_duplicate=False))
-    tensors, notes, seen, spans = [], [], {}, {}
+    tensors, notes, refused, seen, spans = [], [], [], {}, {}
     for name, value in module.state_dict().items():
-        dropped = "lora" in name if drop is None else drop(name)
-        if dropped:
+        if ("lora" in name) if drop is None else drop(name):
             continue
         source = params.get(name, buffers.get(name, value))
         partitioned = hasattr(source, "ds_shape")
-        if partitioned:  # a ZeRO-3 alias is the same parameter object
+        if partitioned:  # a ZeRO-3 alias is the very same parameter object
             first = seen.setdefault(id(source), name)
             alias, exact = (first, True) if first != name else (None, False)
         else:
-            alias, exact = _dsfix_find_alias(name, value, spans)
+            alias, exact = find_overlap(name, value, spans)
         if alias is not None and exact and strategy == "dedupe":
-            notes.append("%s shares storage with %s: not written (transformers re-ties it on load)" % (name, alias))
+            notes.append(f"{name} shares storage with {alias}: not written (transformers re-ties it on load)")
             continue
         if alias is not None:
-            notes.append("%s shares storage with %s%s: written as its own copy" % (
-                name, alias, "" if exact else " (a different view)"))
-        real_shape = tuple(int(d) for d in (source.ds_shape if partitioned else source.shape))
-        shape = real_shape if gather and partitioned else tuple(int(d) for d in value.shape)
-        if shape != real_shape:  # refused before a byte is written
-            raise RuntimeError("dsfix: verification failed: %s is empty %s but the model holds %s (a ZeRO-3 "
-                               "placeholder saved without gathering?)" % (name, list(shape), list(real_shape)))
-        if value.dtype not in _DSFIX_DTYPES:
-            raise ValueError("dsfix: safetensors cannot store dtype %s (%s)" % (value.dtype, name))
+            view = "" if exact else " (a different view)"
+            notes.append(f"{name} shares storage with {alias}{view}: written as its own copy")
+        shape = tuple(int(d) for d in (source.ds_shape if partitioned else source.shape))
+        if tuple(value.shape) != shape and not (gather and partitioned):  # refused before a byte is written
+            raise SaveError(f"dsfix: verification failed: {name} is empty {list(value.shape)} but the model holds "
+                            f"{list(shape)} (a ZeRO-3 placeholder saved without gathering?); nothing was written "
+                            f"to {os.path.normpath(out_dir)}", os.path.normpath(out_dir))
+        if value.dtype not in DTYPES:
+            refused.append(f"{name} ({value.dtype})")
         param = source if gather and partitioned else None
         at = len(tensors)
         if param is not None and alias is not None:  # right after its parameter: gathered once for both
             at = 1 + max(i for i, t in enumerate(tensors) if t.param is param)
-        tensors.insert(at, _DsfixTensor(name, value, param, shape, torch.Size(shape).numel() * value.element_size()))
-    return tensors, notes
+        tensors.insert(at, PlannedTensor(name, value.dtype, shape, value, param))
+    refusal = ValueError(f"dsfix: safetensors cannot store {', '.join(refused)}") if refused else None
+    return tensors, notes, refusal
 
 
-def _dsfix_find_alias(name, value, spans):
-    """(the first earlier tensor ``value`` overlaps in storage, or None; whether it is the same view)."""
-    if not value.numel() or value.device.type == "meta":
+def find_overlap(name, tensor, seen):
+    """(the first tensor recorded in `seen` whose memory `tensor` overlaps, or None; whether it is the same
+    view: same start, dtype, shape and strides). Records `tensor` under `name` in `seen`, a dict the caller
+    keeps across calls. Empty tensors and tensors on the meta device overlap nothing."""
+    if not tensor.numel() or tensor.device.type == "meta":
         return None, False
-    storage, start = value.untyped_storage(), value.data_ptr()
-    end = start + value.element_size() * (1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride())))
-    view = (start, value.dtype, value.shape, value.stride())
-    earlier = spans.setdefault((str(value.device), storage.data_ptr(), storage.nbytes()), [])
+    storage, start = tensor.untyped_storage(), tensor.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    end = start + tensor.element_size() * (1 + last)
+    view = (start, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    earlier = seen.setdefault((str(tensor.device), storage.data_ptr(), storage.nbytes()), [])
     alias, exact = None, False
     for other, other_start, other_end, other_view in earlier:
-        if start < other_end and other_start < end and (alias is None or (not exact and view == other_view)):
+        overlaps = start < other_end and other_start < end
+        if overlaps and (alias is None or (not exact and view == other_view)):
             alias, exact = other, view == other_view
     earlier.append((name, start, end, view))
     return alias, exact
 
 
-def _dsfix_buckets(tensors, bucket_mb):
-    """The gathers: whole modules up to ``bucket_mb`` (a bigger module alone; 0: one parameter at a time)."""
-    limit = _DSFIX_GATHER_BUCKET_MB * 1024**2 if bucket_mb is None else bucket_mb * 1024**2
+def _buckets(tensors, limit_bytes):
+    """The gathers: whole modules up to `limit_bytes` (a bigger module alone; 0: one parameter at a time),
+    a tied alias always in its parameter's bucket."""
     buckets, size, owner = [], 0, None
     for t in tensors:
         module = t.name.rpartition(".")[0]
         alias = bool(buckets) and t.param is not None and t.param is buckets[-1][-1].param
-        full = limit <= 0 or (module != owner and size + t.nbytes > limit)
+        full = limit_bytes <= 0 or (module != owner and size + t.nbytes > limit_bytes)
         if not buckets or (full and not alias):
             buckets.append([])
             size = 0
@@ -176,153 +374,521 @@ def _dsfix_buckets(tensors, bucket_mb):
     return buckets
 
 
-def _dsfix_files(tensors, limit, out_dir):
-    """Runs of tensors up to ``limit`` bytes, each in _DSFIX_DTYPES' order (safetensors'), then by name."""
-    groups, size, files = [], 0, []
+# --------------------------------------------------------------------------- the files
+
+
+class WeightFile(NamedTuple):
+    """One safetensors file: `header` (its 8-byte length, then the JSON padded with spaces to a multiple of
+    8), then the tensors, each at `offsets[name]` from the start of the file; `size` in bytes."""
+    name: str
+    tensors: list
+    header: bytes
+    offsets: dict
+    size: int
+
+
+def layout_files(tensors, max_shard_size=DEFAULT_MAX_SHARD_SIZE):
+    """The files for `tensors` (anything with name, dtype, shape and nbytes, e.g. PlannedTensor): runs in the
+    given order of at most `max_shard_size` bytes (a bigger tensor alone), one file `model.safetensors` or
+    shards `model-0000i-of-0000n.safetensors`. Inside a file the tensors go by dtype (DTYPES' order) then
+    name, as safetensors' save_file puts them: the same header and offsets as save_file's."""
+    groups, size = [], 0
     for t in tensors:
-        if not groups or size + t.nbytes > limit:
+        if not groups or size + t.nbytes > max_shard_size:
             groups.append([])
             size = 0
         groups[-1].append(t)
         size += t.nbytes
-    for i, group in enumerate(groups or [[]]):
-        name = "model-%05d-of-%05d.safetensors" % (i + 1, len(groups)) if len(groups) > 1 else "model.safetensors"
-        header, offsets, at = {"__metadata__": {"format": "pt"}}, {}, 0
-        for t in sorted(group, key=lambda t: (list(_DSFIX_DTYPES).index(t.tensor.dtype), t.name)):
-            header[t.name] = {"dtype": _DSFIX_DTYPES[t.tensor.dtype], "shape": list(t.shape),
-                              "data_offsets": [at, at + t.nbytes]}
-            offsets[t.name] = at
-            at += t.nbytes
-        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        text += b" " * (-len(text) % 8)  # so the data, too, starts at a multiple of 8
-        tmp = os.path.join(out_dir, ".%s.%d%s" % (name, os.getpid(), _DSFIX_TMP_SUFFIX))
-        files.append(_DsfixFile(name, group, len(text).to_bytes(8, "little") + text, offsets, tmp))
+    groups = groups or [[]]
+    files = []
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" if len(groups) > 1 else "model.safetensors"
+        files.append(_layout_one(name, group))
     return files
 
 
-def _dsfix_stream(files, buckets):
-    """Gathers each bucket on every rank and writes the ``files``' tensors in it; returns the first error."""
-    home, errors = dict((t.name, f) for f in files for t in f.tensors), []  # each tensor's file; what failed
+def _layout_one(name, group):
+    header, positions, at = {"__metadata__": {"format": "pt"}}, {}, 0
+    for t in sorted(group, key=lambda t: (_ORDER[t.dtype], t.name)):
+        header[t.name] = {"dtype": DTYPES[t.dtype], "shape": [int(d) for d in t.shape],
+                          "data_offsets": [at, at + t.nbytes]}
+        positions[t.name] = at
+        at += t.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # so the data, too, starts at a multiple of 8
+    head = len(text).to_bytes(8, "little") + text
+    offsets = {k: len(head) + v for k, v in positions.items()}
+    return WeightFile(name, list(group), head, offsets, len(head) + at)
 
-    def attempt(step, *args):  # after a failure the rest is skipped, but every bucket is still gathered
+
+class WeightWriter:
+    """Writes laid-out files into `folder`: `open()` creates each file with its header, `write(name, data)`
+    puts one tensor's bytes at its offset (from memory, no numpy), `finish()` fsyncs and checks every file
+    and writes the index when there are shards; `close()` closes what is open. Returns names in order."""
+
+    def __init__(self, folder, files):
+        self.folder = folder
+        self.files = list(files)
+        self._home = {t.name: (f, t) for f in self.files for t in f.tensors}
+        self._fds = {}
+        self._written = set()
+
+    def open(self):
+        for f in self.files:
+            fd = os.open(os.path.join(self.folder, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            self._fds[f.name] = fd
+            _pwrite_all(fd, f.header, 0)
+            os.ftruncate(fd, f.size)
+
+    def write(self, name, data):
+        """`data`: the tensor's values, on any device; its dtype and shape must be the header's. From a GPU
+        it comes to the host _HOST_CHUNK_BYTES at a time, so the host holds no more than that of it."""
+        f, planned = self._home[name]
+        if data.dtype != planned.dtype or tuple(data.shape) != tuple(planned.shape) or data.device.type == "meta":
+            raise RuntimeError(f"dsfix: {name} is {list(data.shape)} {data.dtype} on {data.device} but the header "
+                               f"says {list(planned.shape)} {planned.dtype}")
+        flat = data.detach().reshape(-1)  # a copy only for a view that is not contiguous
+        step = _HOST_CHUNK_BYTES // flat.element_size() if flat.device.type != "cpu" else max(1, flat.numel())
+        for start in range(0, flat.numel(), step):
+            part = flat[start:start + step].to("cpu")  # held here while its bytes are written
+            view = (ctypes.c_ubyte * (part.numel() * part.element_size())).from_address(part.data_ptr())
+            _pwrite_all(self._fds[f.name], memoryview(view).cast("B"), f.offsets[name] + start * part.element_size())
+            del part, view  # before the next piece comes
+        self._written.add(name)
+
+    def finish(self):
+        """fsyncs each file and checks it: every tensor written, safetensors opens it (its length agrees
+        with its header), and its header reads back as written. Then the index, when there are shards."""
+        missing = [name for name in self._home if name not in self._written]
+        if missing:
+            raise RuntimeError(f"dsfix: verification failed: {len(missing)} tensors were not written, "
+                               f"the first {missing[0]}")
+        for f in self.files:
+            os.fsync(self._fds[f.name])
+        self.close()
+        for f in self.files:
+            path = os.path.join(self.folder, f.name)
+            with safe_open(path, framework="pt"), open(path, "rb") as handle:
+                if handle.read(len(f.header)) != f.header:
+                    raise RuntimeError(f"dsfix: verification failed: {path} does not hold the header written")
+        names = [f.name for f in self.files]
+        if len(self.files) > 1:
+            weight_map = {t.name: f.name for f in self.files for t in f.tensors}
+            index = {"metadata": {"total_size": sum(t.nbytes for f in self.files for t in f.tensors)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            _write_text(os.path.join(self.folder, INDEX_NAME), json.dumps(index, indent=2) + "\n")
+            names.append(INDEX_NAME)
+        return names
+
+    def close(self):
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+
+def _pwrite_all(fd, data, offset):
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _write_text(path, text):
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# --------------------------------------------------------------------------- NaN and Inf
+
+
+def is_finite(tensor, chunk_elements=_CHECK_ELEMENTS):
+    """Whether `tensor` holds no NaN and no Inf (integers always hold none). Checked `chunk_elements` at a
+    time through each chunk's minimum and maximum, which are NaN or infinite when any element is: no copy
+    of the tensor, but a chunk widened to float32 where this torch has no min/max for its dtype (float8;
+    float16 on the CPU before torch 2.2)."""
+    if not tensor.is_floating_point() or not tensor.numel():
+        return True
+    flat = tensor.detach().reshape(-1)
+    widen = not _has_aminmax(flat.device.type, flat.dtype)
+    for start in range(0, flat.numel(), chunk_elements):
+        part = flat[start:start + chunk_elements]
+        low, high = torch.aminmax(part.float() if widen else part)
+        if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _has_aminmax(device_type, dtype):
+    try:
+        torch.aminmax(torch.zeros(2, dtype=dtype, device=device_type))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+class _FiniteCount:
+    """The tensors written that hold NaN or Inf, in write order; a tied alias's memory checked once. Called
+    from one checking thread at a time, in order."""
+
+    def __init__(self):
+        self.bad = []
+        self._seen = {}
+
+    def new_bucket(self):
+        self._seen.clear()  # a gathered bucket's memory is freed after it: its addresses mean nothing later
+
+    def check(self, name, data):
+        key = (data.data_ptr(), data.dtype, tuple(data.shape), tuple(data.stride()))
+        ok = self._seen.get(key)
+        if ok is None:
+            ok = self._seen[key] = is_finite(data)
+        if not ok:
+            self.bad.append(name)
+
+
+# --------------------------------------------------------------------------- rank 0: staging and publishing
+
+
+class _Staging:
+    """Rank 0's new save, put together in a hidden folder inside the output folder, then moved into place.
+    `start`, `write` and `finish` return the first error instead of raising it (the ranks decide together)."""
+
+    def __init__(self, out_dir, gather):
+        self.out = os.path.normpath(out_dir)
+        self.path = os.path.join(self.out, f"{_STAGING_PREFIX}{os.getpid()}")
+        self.gather = gather  # whether each bucket's memory is let go after it (ZeRO-3 gathers)
+        self.writer = None
+        self.weight_names, self.other_names, self.removed = [], [], []
+        self.finite = _FiniteCount()
+        self.checker, self.checks = None, []  # the thread that checks for NaN and Inf, and its work
+
+    def start(self, tensors, limit):
         try:
-            if not errors:
-                step(*args)
+            os.makedirs(self.out, exist_ok=True)
+            if os.path.lexists(self.path):  # left by a killed save of a process with this id
+                shutil.rmtree(self.path)
+            os.mkdir(self.path)
+            self.writer = WeightWriter(self.path, layout_files(tensors, limit))
+            self.writer.open()
+            self.checker = ThreadPoolExecutor(max_workers=1)
         except Exception as exc:
-            errors.append(exc)
+            return exc
+        return None
 
-    def start(f):
-        with open(f.tmp, "wb") as handle:
-            handle.write(f.header)
+    def write(self, bucket):
+        """Writes the bucket's tensors, each checked for NaN and Inf meanwhile in a second thread (torch's
+        kernels and the file writes both let the other thread run): the check takes time the writes and the
+        fsyncs leave idle. A gathered bucket's checks end before its memory is let go; else they run on
+        while the files are fsynced."""
+        try:
+            for t in bucket:
+                data = (t.tensor if t.param is None else t.param.data).detach()
+                self.checks.append(self.checker.submit(self.finite.check, t.name, data))
+                self.writer.write(t.name, data)
+            if self.gather:
+                self._end_checks()
+                self.finite.new_bucket()
+        except Exception as exc:
+            return exc
+        return None
 
-    def write(bucket):
-        for t in bucket:
-            if t.name in home:
-                attempt(_dsfix_write_tensor, home[t.name], t)
+    def _end_checks(self):
+        while self.checks:
+            self.checks.pop(0).result()  # raises what the check raised
 
-    for f in files:
-        attempt(start, f)
-    for bucket in buckets:
-        _dsfix_gather(bucket, lambda: write(bucket))
-    return errors[0] if errors else None
+    def finish(self, config_module, tokenizer):
+        """The weights checked, then the config and tokenizer staged, then everything moved into place."""
+        try:
+            self.weight_names = self.writer.finish()
+            self._end_checks()
+            self.checker.shutdown()
+            _stage_config(config_module, self.path)
+            _stage_tokenizer(tokenizer, self.path)
+            staged = sorted(os.listdir(self.path))
+            configs = [n for n in _CONFIG_FILES if n in staged]
+            self.other_names = configs + [n for n in staged if n not in configs and n not in self.weight_names]
+            for name in self.other_names:
+                _fsync_path(os.path.join(self.path, name))
+            self._publish()
+        except Exception as exc:
+            return exc
+        return None
+
+    def _publish(self):
+        """The final phase: each new file into place (the one it replaces kept aside), then the stale weight
+        files aside; all undone if a move fails. Ctrl-C and SIGTERM wait for it. Then the old files go."""
+        aside = os.path.join(self.path, ".replaced")
+        stale = _stale_weight_files(self.out, self.weight_names)
+        moves = []
+        with _signals_held():
+            try:
+                os.mkdir(aside)
+                for name in self.weight_names + self.other_names:
+                    target = os.path.join(self.out, name)
+                    if os.path.lexists(target):
+                        _move(target, os.path.join(aside, name), moves)
+                    _move(os.path.join(self.path, name), target, moves)
+                for name in stale:
+                    _move(os.path.join(self.out, name), os.path.join(aside, name), moves)
+                _fsync_path(self.out)
+            except BaseException:
+                _undo(moves)
+                raise
+        self.removed = stale
+        self.discard()
+        _remove_leftovers(self.out)
+
+    def discard(self):
+        if self.checker is not None:
+            self.checker.shutdown(wait=True, cancel_futures=True)
+        if self.writer is not None:
+            self.writer.close()
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _dsfix_gather(bucket, then):
-    """Under ZeRO-3, gathers the bucket's partitioned parameters on every rank (a collective); then writes."""
-    params = dict((id(t.param), t.param) for t in bucket if t.param is not None and
-                  t.param.ds_status.name == "NOT_AVAILABLE")  # not those already whole
+def _move(source, target, moves):
+    os.rename(source, target)
+    moves.append((source, target))
+
+
+def _undo(moves):
+    for source, target in reversed(moves):
+        try:
+            os.rename(target, source)
+        except OSError:
+            pass
+
+
+def _stage_config(module, folder):
+    """config.json as upstream writes it (`to_json_file`), and generation_config.json when the model has one."""
+    config = getattr(module, "config", None) if module is not None else None
+    if config is None:
+        return
+    config.to_json_file(os.path.join(folder, "config.json"))
+    generation = getattr(module, "generation_config", None)
+    can_generate = getattr(module, "can_generate", None)
+    if generation is not None and (can_generate is None or can_generate()):
+        generation.to_json_file(os.path.join(folder, "generation_config.json"))
+
+
+def _stage_tokenizer(tokenizer, folder):
+    """The tokenizer's files, saved into a folder of their own inside `folder`, then moved up beside the
+    weights (a name already there, such as config.json, keeps the model's file)."""
+    if tokenizer is None:
+        return
+    own = os.path.join(folder, ".tokenizer")
+    os.mkdir(own)
+    try:
+        tokenizer.save_pretrained(own)
+    except Exception as exc:  # a tokenizer without save_pretrained, or an old one: upstream's own call
+        _print(f"tokenizer.save_pretrained failed ({type(exc).__name__}: {exc}); using save_vocabulary")
+        shutil.rmtree(own)
+        os.mkdir(own)
+        tokenizer.save_vocabulary(own)
+    for name in sorted(os.listdir(own)):
+        if not os.path.lexists(os.path.join(folder, name)):
+            os.rename(os.path.join(own, name), os.path.join(folder, name))
+    shutil.rmtree(own)
+
+
+def _stale_weight_files(folder, keep):
+    """The weight files in `folder` that a save of `keep` leaves out: an old pytorch_model.bin, old shards,
+    a single file replaced by shards (and the other way round)."""
+    return [name for name in sorted(os.listdir(folder))
+            if name not in keep and _is_weight_file(name) and os.path.isfile(os.path.join(folder, name))]
+
+
+def _is_weight_file(name):
+    single = name in ("model.safetensors", INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json")
+    shard = "-of-" in name and ((name.startswith("model-") and name.endswith(".safetensors")) or
+                                (name.startswith("pytorch_model-") and name.endswith(".bin")))
+    return single or shard
+
+
+def _remove_leftovers(folder):
+    """What killed saves left: staging folders of other processes, and the temporary weight files of
+    dsfix's earlier inline save (".NAME.PID.dsfix-tmp")."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.startswith(_STAGING_PREFIX) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(".") and name.endswith(_OLD_TMP_SUFFIX) and _is_weight_file(name[1:].rsplit(".", 2)[0]):
+            os.remove(path)
+
+
+def _fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM wait until the block ends, then take effect (the main thread only: Python runs
+    signal handlers nowhere else)."""
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
+    if threading.current_thread() is not threading.main_thread():
+        held = []
+    caught = []
+    previous = {s: signal.signal(s, lambda number, frame: caught.append(number)) for s in held}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
+# --------------------------------------------------------------------------- ZeRO-3: gathers and decisions
+
+
+@contextlib.contextmanager
+def _gathered(bucket):
+    """Under ZeRO-3, the bucket's partitioned parameters gathered on every rank (a collective)."""
+    params = {id(t.param): t.param for t in bucket
+              if t.param is not None and t.param.ds_status.name == "NOT_AVAILABLE"}  # not those already whole
     if not params:
-        return then()
+        yield
+        return
     import deepspeed
+
     with deepspeed.zero.GatheredParameters(list(params.values())):
-        return then()
+        yield
 
 
-def _dsfix_write_tensor(f, entry):
-    """Writes the tensor's bytes into its place in file ``f``, from memory (on the CPU; no numpy), checked first."""
-    data = (entry.tensor if entry.param is None else entry.param.data).detach()
-    if data.dtype != entry.tensor.dtype or tuple(data.shape) != entry.shape or data.device.type == "meta":
-        raise RuntimeError("%s is %s %s on %s but the header says %s %s" % (
-            entry.name, list(data.shape), data.dtype, data.device, list(entry.shape), entry.tensor.dtype))
-    data = data.to("cpu").contiguous()  # held here while its bytes are written
-    with open(f.tmp, "r+b") as handle:
-        handle.seek(len(f.header) + f.offsets[entry.name])
-        handle.write((ctypes.c_ubyte * entry.nbytes).from_address(data.data_ptr()))
+class _Ranks:
+    """What the ranks of a ZeRO-3 save agree on: whether rank 0's writing failed, and how. With one rank,
+    or no gathers, each answer is rank 0's own."""
+
+    def __init__(self, gather):
+        dist = torch.distributed
+        self.on = gather and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.device = None
+        if self.on:
+            from deepspeed.accelerator import get_accelerator
+
+            self.device = torch.device(get_accelerator().current_device_name())
+
+    def any_failed(self, failed):
+        if not self.on:
+            return failed
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def outcome(self, error):
+        """None when rank 0 saved, else (whether the disk failed, what failed), the same on every rank."""
+        mine = None if error is None else (_disk_failed(error), _describe(error))
+        if not self.on:
+            return mine
+        shared = [mine]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        return shared[0]
 
 
-def _dsfix_publish(files, out_dir, tensors, notes):
-    """Rank 0: checks the files, renames them into place, the index last, and removes stale weight files."""
-    for f in files:  # on disk; safetensors checks the file's length; the header must read back as written
-        with safe_open(f.tmp, framework="pt"), open(f.tmp, "r+b") as handle:
-            os.fsync(handle.fileno())
-            if handle.read(len(f.header)) != f.header:
-                raise RuntimeError("dsfix: verification failed: %s does not hold the header written" % (f.tmp,))
-    for f in files:
-        os.replace(f.tmp, os.path.join(out_dir, f.name))
-    keep = [f.name for f in files]
-    if len(files) > 1:  # written last, under a temporary name too
-        keep.append("model.safetensors.index.json")
-        tmp = os.path.join(out_dir, ".%s.%d%s" % (keep[-1], os.getpid(), _DSFIX_TMP_SUFFIX))
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-                       "weight_map": dict((t.name, f.name) for f in files for t in f.tensors)}, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, os.path.join(out_dir, keep[-1]))
-    _dsfix_remove_stale(out_dir, keep)
-    for note in notes:
-        _dsfix_print(note)
-    empty = sum(1 for t in tensors if not t.nbytes)
-    shards = " (%d shards)" % len(files) if len(files) > 1 else ""
-    _dsfix_print("saved weights to %s%s" % (os.path.join(out_dir, keep[-1]), shards))
-    _dsfix_print("verified %d tensors (names, shapes, dtypes; none empty%s)"
-                 % (len(tensors), " but the %d the model holds empty" % empty if empty else ""))
+def _disk_failed(error):
+    return isinstance(error, OSError) and error.errno in _DISK_ERRNOS
 
 
-def _dsfix_save_config_and_tokenizer(module, tokenizer, out_dir):
-    """config.json (when ``module`` has a config) and the tokenizer (when given): no error of theirs stops the
-    weights, which the other ZeRO-3 ranks wait for (save_vocabulary, upstream's own call, may still raise)."""
-    os.makedirs(out_dir, exist_ok=True)
+def _describe(error):
+    if isinstance(error, OSError) and error.strerror:
+        where = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror}{where}"
+    return f"{type(error).__name__}: {error}"
+
+
+# --------------------------------------------------------------------------- the fallback
+
+
+def _fallback(module, tensors, buckets, out_dir, rank, tokenizer, why):
+    """Every rank walks the gathers again; rank 0 saves the tensors as upstream does (torch.save to
+    pytorch_model.bin, the model's config.json beside it, for `dsfix convert`) in FALLBACK_FOLDER inside
+    `out_dir`. Returns that folder."""
+    folder = os.path.join(os.path.normpath(out_dir), FALLBACK_FOLDER)
+    state, copies, problem = {}, {}, None
+    for bucket in buckets:
+        with _gathered(bucket):
+            if rank != 0 or problem is not None:
+                continue
+            try:
+                for t in bucket:
+                    if t.param is None:
+                        state[t.name] = t.tensor.detach().to("cpu")  # no copy of a tensor on the CPU
+                    else:  # a tied alias takes its parameter's copy
+                        state[t.name] = copies.setdefault(id(t.param), t.param.data.detach().to("cpu").clone())
+            except Exception as exc:
+                problem = exc
+    if rank != 0:
+        return folder
     try:
-        if getattr(module, "config", None) is not None:
-            module.config.to_json_file(os.path.join(out_dir, "config.json"))
+        if problem is not None:
+            raise problem
+        beside = _write_fallback(folder, state, module, tokenizer)
     except Exception as exc:
-        _dsfix_print("could not write config.json (%s: %s); saving the rest" % (type(exc).__name__, exc))
+        _print(f"FALLBACK FAILED: the save to {os.path.normpath(out_dir)} failed ({why}) and so did saving the "
+               f"weights as pytorch_model.bin in {folder} ({_describe(exc)})")
+        return folder
+    with_what = f"with {' and '.join(beside)}" if "config.json" in beside else \
+        "without config.json (copy the model's config.json there)"
+    _print(f"FALLBACK: the safetensors save to {os.path.normpath(out_dir)} failed ({why}); the weights are saved "
+           f"as upstream saves them, {os.path.join(folder, 'pytorch_model.bin')}, {with_what}: "
+           f"`dsfix convert {folder}` turns them into safetensors")
+    return folder
+
+
+def _write_fallback(folder, state, module, tokenizer):
+    """pytorch_model.bin, then what can be written beside it (a failure there keeps the weights): returns
+    the names of those ("config.json", "the tokenizer")."""
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, "pytorch_model.bin")
+    tmp = os.path.join(folder, f".pytorch_model.bin.{os.getpid()}{_OLD_TMP_SUFFIX}")
     try:
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-    except Exception as exc:  # a tokenizer without save_pretrained, or an old one
-        _dsfix_print("tokenizer.save_pretrained failed (%s: %s); using save_vocabulary" % (type(exc).__name__, exc))
-        tokenizer.save_vocabulary(out_dir)
+        torch.save(state, tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    beside = []
+    config = getattr(module, "config", None)
+    if config is not None and _fallback_config(config, os.path.join(folder, "config.json")):
+        beside.append("config.json")
+    if tokenizer is not None:
+        try:
+            tokenizer.save_pretrained(folder)
+            beside.append("the tokenizer")
+        except Exception:  # the weights are what matters here
+            pass
+    _fsync_path(folder)
+    return beside
 
 
-def _dsfix_remove_stale(out_dir, keep):
-    """Removes the weight files not in ``keep``, and the temporary ones of a killed save, saying so."""
-    for name in sorted(os.listdir(out_dir)):
-        temporary = name.startswith(".") and name.endswith(_DSFIX_TMP_SUFFIX)
-        base = name[1:].rsplit(".", 2)[0] if temporary else name  # a temporary name adds a process id
-        single = base in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                          "pytorch_model.bin.index.json")
-        shard = "-of-" in base and (base.startswith("model-") and base.endswith(".safetensors") or
-                                    base.startswith("pytorch_model-") and base.endswith(".bin"))
-        if name not in keep and (single or shard):
-            os.remove(os.path.join(out_dir, name))
-            _dsfix_print("removed stale %s" % (os.path.join(out_dir, name),))
+def _fallback_config(config, path):
+    """config.json as upstream writes it, else the config's dictionary as JSON; whether either worked."""
+    try:
+        config.to_json_file(path)
+        return True
+    except Exception:
+        pass
+    try:
+        _write_text(path, json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        return True
+    except Exception:
+        return False
 
 
-def _dsfix_unwrap(model):
-    """The module under DeepSpeed/DDP (``.module``) and torch.compile (``_orig_mod``) wrappers."""
+# --------------------------------------------------------------------------- small helpers
+
+
+def _unwrap(model):
+    """The module under DeepSpeed/DDP (`.module`) and torch.compile (`_orig_mod`) wrappers."""
     inner = getattr(model, "module", getattr(model, "_orig_mod", None))
-    return _dsfix_unwrap(inner) if isinstance(inner, torch.nn.Module) else model
+    return _unwrap(inner) if isinstance(inner, torch.nn.Module) else model
 
 
-def _dsfix_print(message):
-    print("[dsfix] " + message, flush=True)
-
-
-def save_hf_format(model, tokenizer, output_dir, **kwargs):
-    return _dsfix_save_hf_format(model, tokenizer, output_dir, **kwargs)
-
-
-def save_zero_three_model(model, save_dir, **kwargs):
-    return _dsfix_save_zero_three_model(model, save_dir, **kwargs)
+def _print(message):
+    print(f"[dsfix] {message}\n", end="", flush=True)  # one write: lines of other ranks cannot cut into it

@@ -15,7 +15,6 @@ from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, ru
 REPO = Path(__file__).resolve().parent.parent
 NARROW = REPO / "fixtures" / "models" / "qwen3-narrow" / "config.json"
 FULL = REPO / "fixtures" / "models" / "qwen3-0.6b" / "config.json"
-TEMPLATE = REPO / "templates" / "save_safetensors.py"
 BROKEN = REPO / "fixtures" / "broken"
 TRAINER = REPO / "fixtures" / "step1_trainer" / "train.py"
 LAUNCH_TIMEOUT_S = 240
@@ -60,29 +59,28 @@ def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):
     weights = {{}}
     for name, param in inner.named_parameters():
         with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
-            if global_rank == 0:
+            if global_rank == 0 and "lora" not in name:
                 weights[name] = param.detach().cpu().clone()
     if global_rank == 0:
         torch.save(weights, os.path.join(save_dir, "pytorch_model.bin"))
 
 '''
 
-MAIN_PY = {
-    "package": "# stub of step-1 main.py for dsfix tests\nfrom dschat.utils.utils import save_hf_format\n",
+SAVES = ("\n\ndef save(model, tokenizer, args):\n    save_hf_format(model, tokenizer, args)\n"
+         "    save_zero_three_model(model, args.global_rank, args.output_dir, zero_stage=args.zero_stage)\n")
+MAIN_PY = {  # step 1's saves, as upstream's main.py calls them
+    "package": "# stub of step-1 main.py for dsfix tests\nfrom dschat.utils.utils import save_hf_format, "
+               "save_zero_three_model\n" + SAVES,
     "legacy": (
         "# stub of step-1 main.py for dsfix tests\nimport os\nimport sys\n\n"
         "sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))\n"
-        "from utils.utils import save_hf_format\n"
+        "from utils.utils import save_hf_format, save_zero_three_model\n" + SAVES
     ),
 }
 
 
 def utils_source(body: str = "", extra_imports: str = "") -> str:
     return UPSTREAM_LIKE.format(extra_imports=extra_imports) + "\n" + body
-
-
-def template_code() -> str:
-    return TEMPLATE.read_text(encoding="utf-8")
 
 
 def broken_code(name: str) -> str:
@@ -100,6 +98,15 @@ def make_checkout(root: Path, body: str = "", layout: str = "package", extra_imp
     main = root / "training/step1_supervised_finetuning/main.py"
     main.parent.mkdir(parents=True, exist_ok=True)
     main.write_text(MAIN_PY[layout], encoding="utf-8")
+    return root
+
+
+def patched_checkout(root: Path, layout: str = "package", extra_imports: str = "") -> Path:
+    """make_checkout's upstream-like checkout, patched by `dsfix apply` (the save module beside utils.py)."""
+    from patcher.patch import flow
+
+    make_checkout(root, layout=layout, extra_imports=extra_imports)
+    assert flow.apply(root).exit_code == 0
     return root
 
 
@@ -138,7 +145,7 @@ def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
     if launcher is None:
         pytest.skip("the deepspeed launcher is not installed")
     cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(TRAINER),
-           "--utils", str(utils or TEMPLATE), "--output_dir", str(tmp_path / "out"),
+           "--utils", str(utils), "--output_dir", str(tmp_path / "out"),
            "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
     env = rank_env(nproc=nprocs)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")

@@ -29,15 +29,18 @@ def test_bench_save_quick(tmp_path):
     text, report = _run("bench_save.py", tmp_path)
     assert "| method | wall s | best s | MiB/s | written MiB | peak RSS above model MiB | tensors |" in text
     for ratio in ("dsfix clone / article", "dsfix clone / transformers", "dsfix dedupe / transformers",
-                  "dsfix clone / raw write", "peak RSS above model, dsfix clone"):
+                  "dsfix clone / raw write", "peak RSS above model, dsfix clone", "the NaN/Inf check alone",
+                  "dsfix clone / dsfix clone without the check"):
         assert ratio in text, ratio
     by_method = {r["method"]: r for r in report["results"]}
     assert not [r for r in report["results"] if "error" in r]
-    expected = {"dsfix_clone": 311, "dsfix_dedupe": 310, "transformers": 310, "save_model": 310, "article": 311,
-                "torch_save": 311, "raw": None}  # 28 layers x 11 + 3; the tied lm_head dropped gives 310
+    expected = {"dsfix_clone": 311, "dsfix_dedupe": 310, "finite": None, "dsfix_clone_nocheck": 311,
+                "transformers": 310, "save_model": 310, "article": 311, "torch_save": 311,
+                "raw": None}  # 28 layers x 11 + 3; the tied lm_head dropped: 310
     assert {m: r["tensors"] for m, r in by_method.items()} == expected
     clone_data = by_method["raw"]["bytes_written"]  # the raw write is as long as dsfix clone's tensor data
     assert clone_data < by_method["dsfix_clone"]["bytes_written"] < clone_data + 64 * 1024
+    assert by_method["finite"]["finite"] is True and by_method["finite"]["bytes_written"] == 0
 
 
 def test_bench_zero3_quick(tmp_path):

@@ -6,12 +6,11 @@ import json
 import os
 import re
 import shutil
-import types
 
 import pytest
 
 from smokekit import NARROW, narrow_model
-from patchkit import FIXTURES, REPO, cli, copy_fixture, run
+from patchkit import REPO, cli, copy_fixture, run
 
 
 pytestmark = pytest.mark.slow  # torch models through the CLI, and the demo
@@ -19,14 +18,11 @@ pytestmark = pytest.mark.slow  # torch models through the CLI, and the demo
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A folder written by the template's save on the narrow Qwen3 (311 tensors)."""
-    import importlib.util
+    """A folder written by the save module on the narrow Qwen3 (311 tensors)."""
+    from patcher.templates import dsfix_safetensors
 
-    spec = importlib.util.spec_from_file_location("dsfix_tpl_cli", FIXTURES.parent.parent / "templates" / "save_safetensors.py")
-    tpl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tpl)
     out = tmp_path_factory.mktemp("saved")
-    tpl.save_hf_format_safetensors(narrow_model(), None, types.SimpleNamespace(output_dir=str(out)))
+    dsfix_safetensors.save_hf_format(narrow_model(), None, str(out))
     return out
 
 

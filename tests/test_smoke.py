@@ -17,17 +17,13 @@ pytestmark = pytest.mark.slow  # torch models saved and reloaded, ZeRO-3 ranks
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from smokekit import NARROW, TEMPLATE, broken_code, make_checkout, narrow_model, quiet_console  # noqa: E402
+from smokekit import (NARROW, broken_code, make_checkout, narrow_model, patched_checkout,  # noqa: E402
+                      quiet_console)
 from patcher.errors import DsfixError  # noqa: E402
 from patcher.checkpoint.smoke import print_report, run_smoke  # noqa: E402
 from patcher.checkpoint.smoke_worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
 
-needs_template = pytest.mark.skipif(not TEMPLATE.is_file(), reason="templates/save_safetensors.py not written yet")
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
-
-
-def template():
-    return TEMPLATE.read_text(encoding="utf-8")
 
 
 def failed(report) -> dict:
@@ -36,12 +32,9 @@ def failed(report) -> dict:
 
 @pytest.fixture(scope="module")
 def good_checkout(tmp_path_factory):
-    if not TEMPLATE.is_file():
-        pytest.skip("templates/save_safetensors.py not written yet")
-    return make_checkout(tmp_path_factory.mktemp("good") / "DeepSpeed-Chat", template())
+    return patched_checkout(tmp_path_factory.mktemp("good") / "DeepSpeed-Chat")
 
 
-@needs_template
 def test_passes_in_process_and_keeps_stdout_clean(good_checkout, capfd):
     if importlib.util.find_spec("deepspeed") is None:  # importing it here would print to stdout
         pytest.skip("the checkout's utils.py imports deepspeed; without it smoke takes the ast path")
@@ -54,7 +47,7 @@ def test_passes_in_process_and_keeps_stdout_clean(good_checkout, capfd):
     assert set(report.functions) == {"save_hf_format_safetensors", "save_zero_three_model_safetensors"}
     assert report.tensors == 311 and report.device == "cpu" and report.launcher is None
     assert [c.name for c in report.checks] == ["functions", "save", "config", "files", "keys", "shapes", "non-empty",
-                                               "dtype", "tied", "count", "load", "logits"]
+                                               "dtype", "finite", "tied", "count", "load", "logits"]
     assert "[dsfix] verified 311 tensors" in report.save_output
     assert report.peak_rss_mb["this process"] > 0 and report.cuda_peak_mb is None
     assert {"load", "build", "train", "reference", "save", "verify", "reload"} <= set(report.timings)
@@ -68,7 +61,6 @@ def test_passes_in_process_and_keeps_stdout_clean(good_checkout, capfd):
     assert not list(good_checkout.rglob("__pycache__"))
 
 
-@needs_template
 @needs_deepspeed
 def test_passes_under_zero3_with_two_ranks(good_checkout, tmp_path):
     shm = Path("/dev/shm")
@@ -130,6 +122,30 @@ def test_fails_on_a_save_without_config(tmp_path):
     assert report.check("logits") is None  # nothing to reload without config.json
 
 
+NAN_SAVE = """
+def save_hf_format_safetensors(model, tokenizer, args, sub_folder=""):
+    from safetensors.torch import save_file
+
+    inner = model.module if hasattr(model, "module") else model
+    out = os.path.join(args.output_dir, sub_folder)
+    os.makedirs(out, exist_ok=True)
+    state = {k: v.detach().clone().contiguous() for k, v in inner.state_dict().items()}
+    state["model.norm.weight"][1] = float("nan")
+    state["model.layers.7.mlp.down_proj.weight"][0, 0] = float("-inf")
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    inner.config.to_json_file(os.path.join(out, "config.json"))
+    tokenizer.save_pretrained(out)
+"""
+
+
+def test_fails_on_weights_that_hold_nan_or_inf(tmp_path):
+    report = run_smoke(make_checkout(tmp_path / "DeepSpeed-Chat", NAN_SAVE), config_path=NARROW, dtype="fp32",
+                       console=quiet_console())
+    assert report.exit_code == 1
+    assert failed(report)["finite"] == ("2 of 311 floating tensors hold NaN or Inf, the first "
+                                        "model.layers.7.mlp.down_proj.weight")
+
+
 def test_a_save_that_raises_is_a_failed_check(tmp_path):
     body = "def save_hf_format_safetensors(model, tokenizer, args, sub_folder=''):\n    raise ValueError('boom')\n"
     report = run_smoke(make_checkout(tmp_path / "DeepSpeed-Chat", body), config_path=NARROW, dtype="fp32",
@@ -139,10 +155,9 @@ def test_a_save_that_raises_is_a_failed_check(tmp_path):
     assert "no model weights" in failed(report)["weights"]
 
 
-@needs_template
 def test_ast_fallback_when_the_utils_import_fails(tmp_path):
-    checkout = make_checkout(tmp_path / "DeepSpeed-Chat", template(),
-                             extra_imports="import dsfix_test_missing_module  # stands in for a missing deepspeed")
+    checkout = patched_checkout(tmp_path / "DeepSpeed-Chat",
+                                extra_imports="import dsfix_test_missing_module  # stands in for a missing deepspeed")
     report = run_smoke(checkout, config_path=NARROW, dtype="fp32", console=quiet_console())
     assert report.ok, report.to_json()
     assert report.load_method == "ast"
@@ -174,16 +189,14 @@ def test_ast_extraction_runs_only_imports_and_dsfix_definitions(tmp_path):
     assert len(skipped) == 1 and "dsfix_test_missing_module" in skipped[0]
 
 
-@needs_template
 def test_legacy_layout(tmp_path):
     pytest.importorskip("deepspeed")
-    checkout = make_checkout(tmp_path / "DeepSpeed-Chat", template(), layout="legacy")
+    checkout = patched_checkout(tmp_path / "DeepSpeed-Chat", layout="legacy")
     report = run_smoke(checkout, config_path=NARROW, dtype="fp32", console=quiet_console())
     assert report.ok, report.to_json()
     assert report.load_detail == "import utils.utils"
 
 
-@needs_template
 def test_real_weights_from_a_model_dir(good_checkout, tmp_path):
     model_dir = tmp_path / "model"
     narrow_model("float32", seed=3).save_pretrained(str(model_dir))
@@ -192,7 +205,6 @@ def test_real_weights_from_a_model_dir(good_checkout, tmp_path):
     assert report.ok, report.to_json()
 
 
-@needs_template
 @pytest.mark.skipif(os.environ.get("DSFIX_SKIP_FULL") == "1", reason="DSFIX_SKIP_FULL=1")
 def test_full_qwen3_0_6b_config_in_process(good_checkout):
     """The default bundled config (596M parameters, random bf16 weights); about 25 s on 2 CPU cores."""

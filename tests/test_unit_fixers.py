@@ -303,3 +303,19 @@ def test_parse_marker(line, fields):
 def test_make_marker_is_read_back():
     line = make_marker(4, {"strategy": "clone", "added-imports": "json,safetensors:safe_open", "replaced": ""})
     assert parse_marker(line) == {"template": "v4", "strategy": "clone", "added-imports": "json,safetensors:safe_open"}
+
+
+# Every released save module, by its VERSION line: a change to templates/dsfix_safetensors.py must bump
+# VERSION (so that `dsfix check` shows the upgrade on patched checkouts) and add its hash here.
+RELEASED = {
+    4: "db866332492e344d5cec2077d7191acebfb2509651851768eba7e82e43e37658",
+}
+
+
+def test_the_save_modules_bytes_change_only_with_its_version():
+    import hashlib
+
+    digest = hashlib.sha256(module_bytes()).hexdigest()
+    assert V in RELEASED, f"VERSION = {V} is not recorded in RELEASED"
+    assert RELEASED[V] == digest, (f"templates/dsfix_safetensors.py changed under VERSION = {V}: bump VERSION and "
+                                   f"record {digest}")

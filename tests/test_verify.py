@@ -175,6 +175,24 @@ def test_fails_on_a_missing_key_that_is_not_a_tied_alias(tmp_path, model):
     assert "1 missing: model.norm.weight" in failed(report)["keys"]
 
 
+def test_fails_on_nan_or_inf_naming_the_first_and_how_many(tmp_path, model):
+    """dsfix verify reads every floating tensor (in blocks of rows) for NaN and Inf; exit 1."""
+    from patcher.checkpoint.verify import verify_path
+    from patchkit import run
+
+    sd = state(model)
+    sd["model.layers.2.self_attn.q_proj.weight"][5, 1] = float("inf")
+    sd["model.layers.20.mlp.up_proj.weight"][0, 3] = float("nan")
+    folder = write_folder(tmp_path / "diverged", model, sd)
+    assert verify_folder(folder).ok  # without finite=True, as convert checks the folders it writes
+    result = verify_path(folder)
+    assert result.exit_code == 1
+    expected = "2 of 311 floating tensors hold NaN or Inf, the first model.layers.2.self_attn.q_proj.weight"
+    assert failed(result.reports[0]) == {"finite": expected}
+    p = run("verify", folder, env={"COLUMNS": "300"}, timeout=300)  # wide enough that the table keeps the line
+    assert p.returncode == 1 and expected in p.stderr.decode(), p.stderr.decode()[-2000:]
+
+
 def test_fails_on_mixed_dtypes(tmp_path, model):
     sd = state(model)
     sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.bfloat16)

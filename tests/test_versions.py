@@ -62,3 +62,16 @@ def test_the_installed_transformers_reads_the_keyword(tiny_qwen3_helper):
     config = tiny_qwen3_helper.tiny_qwen3_config(num_hidden_layers=1)
     model = AutoModelForCausalLM.from_config(config, **{dtype_kwarg(): torch.float16})
     assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_the_save_module_states_the_tested_floor():
+    """The module `dsfix apply` copies beside the user's utils.py says which versions it runs with: CI's floor."""
+    import ast
+
+    source = (REPO / "templates" / "dsfix_safetensors.py").read_text(encoding="utf-8")
+    doc = " ".join(ast.get_docstring(ast.parse(source)).split())
+    pins = _floor()
+    torch, transformers = (pins[name].rsplit(".", 1)[0] for name in ("torch", "transformers"))
+    floor = (f"Python 3.9+, torch {torch}+, transformers {transformers}+, safetensors {pins['safetensors']}+, "
+             f"DeepSpeed {pins['deepspeed']}+")
+    assert floor in doc

@@ -65,7 +65,8 @@ def test_the_installed_package_is_the_wheels_with_its_fixtures(installed):
     bin_dir, outside, _ = installed
     probe = run([bin_dir / "python", "-c", "import patcher; from patcher.resources import resource_path as r; "
                  "print(patcher.__file__); print(r('fixtures', 'checkouts/package/README.md')); "
-                 "print(r('templates', 'save_safetensors.py'))"], cwd=outside)
+                 "print(r('templates', 'dsfix_safetensors.py')); "
+                 "import patcher.templates.dsfix_safetensors as m; print(m.__file__)"], cwd=outside)
     assert probe.returncode == 0, probe.stderr
     venv_root = bin_dir.parent.resolve()
     assert all(Path(line).resolve().is_relative_to(venv_root) for line in probe.stdout.split()), probe.stdout

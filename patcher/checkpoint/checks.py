@@ -1,15 +1,16 @@
 """The checks verify and convert share: a model folder's safetensors headers against its config's model.
 
-Everything here reads headers and config.json only; no tensor data. :class:`Header` is what the headers
-say (name -> shape, dtype code, file); ``keys_check``, ``shapes_check``, ``nonempty_check`` and
-``dtype_check`` each turn it into one :class:`Check` row. ``convert`` builds a Header from the tensors it
-is about to write and runs the same checks before writing a byte. The safetensors dtype codes are read
-from the inserted template's ``_DSFIX_DTYPES`` (one table for dsfix), with ``ast``, without importing it.
+Everything here but ``finite_check`` reads headers and config.json only; no tensor data. :class:`Header`
+is what the headers say (name -> shape, dtype code, file); ``keys_check``, ``shapes_check``,
+``nonempty_check`` and ``dtype_check`` each turn it into one :class:`Check` row. ``convert`` builds a Header
+from the tensors it is about to write and runs the same checks before writing a byte. ``finite_check``
+reads every floating tensor, a block of rows at a time, for NaN and Inf. The safetensors dtype codes are
+the save module's ``DTYPES`` (``patcher.templates.dsfix_safetensors``, one table for dsfix), imported when
+first needed: it imports torch.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import json
 from dataclasses import dataclass, field
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from patcher.errors import DsfixError
-from patcher.resources import resource_path
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -56,19 +56,10 @@ def shape_text(shape) -> str:
 
 @functools.lru_cache(maxsize=None)
 def dtype_codes() -> dict:
-    """torch dtype name ("bfloat16") -> safetensors header code ("BF16"): the template's ``_DSFIX_DTYPES``."""
-    path = resource_path("templates", "save_safetensors.py")
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    for stmt in tree.body:
-        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                and stmt.targets[0].id == "_DSFIX_DTYPES" and isinstance(stmt.value, ast.Dict)):
-            table = {}
-            for key, value in zip(stmt.value.keys, stmt.value.values):
-                # a key is a dtype's name ("float32") or the dtype itself (torch.float32)
-                name = key.attr if isinstance(key, ast.Attribute) else ast.literal_eval(key)
-                table[str(name)] = ast.literal_eval(value)
-            return table
-    raise DsfixError("the template has no _DSFIX_DTYPES table; reinstall dsfix", path=str(path))
+    """torch dtype name ("bfloat16") -> safetensors header code ("BF16"): the save module's ``DTYPES``."""
+    from patcher.templates.dsfix_safetensors import DTYPES
+
+    return {str(dtype).replace("torch.", ""): code for dtype, code in DTYPES.items()}
 
 
 def dtype_name(code: str) -> str:
@@ -235,3 +226,40 @@ def dtype_check(head: Header, cfg_dtype: Optional[str]) -> tuple[Check, Optional
     if cfg_dtype and str(cfg_dtype).replace("torch.", "") != name:
         note = f" (config.json says {cfg_dtype}; from_pretrained(dtype='auto') would cast)"
     return Check("dtype", True, f"all floating tensors {name}{note}"), name
+
+
+def finite_check(folder: Path, head: Header, chunk_bytes: int = 64 * 2**20) -> Check:
+    """No floating tensor holds NaN or Inf. Each is read from its file a block of rows at a time (at most
+    ``chunk_bytes``) and checked by the save module's ``is_finite``: the first such tensor and how many."""
+    from safetensors import safe_open
+
+    from patcher.templates.dsfix_safetensors import is_finite
+
+    keys: dict = {}
+    for key, (shape, code, file) in head.entries.items():
+        if is_float_code(code) and 0 not in shape:
+            keys.setdefault(file, []).append(key)
+    bad, count = [], sum(len(v) for v in keys.values())
+    for file, names in keys.items():
+        with safe_open(str(folder / file), framework="pt") as f:
+            for key in names:
+                shape = head.entries[key][0]
+                if not shape:
+                    finite = is_finite(f.get_tensor(key))
+                else:
+                    piece = f.get_slice(key)
+                    row = max(1, _numel(shape[1:]) * 8)  # bytes of a row, at most
+                    step = max(1, chunk_bytes // row)
+                    finite = all(is_finite(piece[start:start + step]) for start in range(0, shape[0], step))
+                if not finite:
+                    bad.append(key)
+    if bad:
+        return Check("finite", False, f"{len(bad)} of {count} floating tensors hold NaN or Inf, the first {bad[0]}")
+    return Check("finite", True, f"no NaN or Inf in {count} floating tensors")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -446,15 +446,14 @@ def _equal(a, b) -> bool:
 
 def _unshare(tensors: dict) -> tuple[dict, list]:
     """The tensors, each its own contiguous memory as save_file wants; copies only what overlaps or is strided.
-    What overlaps is the inserted save's own rule (the template's ``_dsfix_find_alias``), so both agree."""
-    from patcher.resources import load_module
+    What overlaps is the save module's own rule (``find_overlap``), so both agree."""
+    from patcher.templates.dsfix_safetensors import find_overlap
 
-    find_alias = load_module("templates", "save_safetensors.py")._dsfix_find_alias
     out, spans, copied = {}, {}, []
     for key, t in tensors.items():
         if not t.is_contiguous():
             t = t.contiguous()
-        elif find_alias(key, t, spans)[0] is not None:
+        elif find_overlap(key, t, spans)[0] is not None:
             t = t.clone()
             copied.append(key)
         out[key] = t

@@ -449,22 +449,15 @@ class _Out(NamedTuple):
     itemsize: int
 
 
-def _layout_files(entries: list, limit: int, staging: Path) -> list:
-    """[(file name, header bytes, {name: (absolute data offset, nbytes)})], laid out by the inserted save's own
-    function (``_dsfix_files``: runs up to ``limit`` bytes, each file's tensors by dtype then name, every
-    offset aligned), so both write the same format."""
-    import torch
+def _layout_files(entries: list, limit: int) -> list:
+    """[(file name, header bytes, {name: (absolute data offset, nbytes)})], laid out by the save module's own
+    ``layout_files`` (runs up to ``limit`` bytes, each file's tensors by dtype then name, every offset
+    aligned, as safetensors' save_file), so both write the same format."""
+    from patcher.templates.dsfix_safetensors import PlannedTensor, layout_files
 
-    from patcher.resources import load_module
-
-    tpl = load_module("templates", "save_safetensors.py")
-    records = [tpl._DsfixTensor(e.name, torch.empty(0, dtype=e.dtype, device="meta"), None, tuple(e.shape),
-                                _numel(e.shape) * torch.empty((), dtype=e.dtype).element_size()) for e in entries]
-    out = []
-    for f in tpl._dsfix_files(records, int(limit), str(staging)):
-        sizes = {t.name: t.nbytes for t in f.tensors}
-        out.append((f.name, f.header, {k: (len(f.header) + at, sizes[k]) for k, at in f.offsets.items()}))
-    return out
+    planned = [PlannedTensor(e.name, e.dtype, tuple(int(d) for d in e.shape)) for e in entries]
+    return [(f.name, f.header, {t.name: (f.offsets[t.name], t.nbytes) for t in f.tensors})
+            for f in layout_files(planned, int(limit))]
 
 
 def _bytes_of(tensor) -> memoryview:
@@ -477,7 +470,7 @@ def _bytes_of(tensor) -> memoryview:
 
 def _write(job: _Job, staging: Path) -> tuple[list, Optional[int], list]:
     """Streams the tensors into ``staging``. Returns (file names, ZeRO stage, the --keep-lora file's check)."""
-    files = _layout_files(job.plan.entries, job.limit, staging)
+    files = _layout_files(job.plan.entries, job.limit)
     fds: list = []
     try:
         outs, total = _open_outputs(files, staging, fds)

@@ -417,7 +417,7 @@ def _verify_saved(spec: dict, expect, checks: list, timings: dict):
     try:
         if not Path(spec["out_dir"]).is_dir():
             raise DsfixError("the save wrote nothing: no output folder, no model weights")
-        vreport = verify_folder(spec["out_dir"], expect=expect, load=False)
+        vreport = verify_folder(spec["out_dir"], expect=expect, load=False, finite=True)
         checks.extend(vreport.checks)
     except DsfixError as e:
         checks.append(Check("weights", False, e.message))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from patcher.checkpoint.checks import (
-    CONFIG_NAME, INDEX_NAME, Check, Header, dtype_check, examples, keys_check, load_config,
+    CONFIG_NAME, INDEX_NAME, Check, Header, dtype_check, examples, finite_check, keys_check, load_config,
     nonempty_check, read_headers, shape_text, shapes_check, weight_files,
 )
 from patcher.errors import DsfixError, need_folder
@@ -201,7 +201,7 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
     with quiet():
         if against is not None:
             return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
-        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load) for p in folders))
+        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True) for p in folders))
 
 
 def compare_path(path, against, expect: Optional[int] = None, atol: float = 0.0, rtol: float = 0.0) -> VerifyResult:
@@ -220,8 +220,9 @@ def compare_path(path, against, expect: Optional[int] = None, atol: float = 0.0,
     return VerifyResult(str(path), tuple(compare_folders(p, r, atol=atol, rtol=rtol) for p, r in zip(folders, refs)))
 
 
-def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> VerifyReport:
-    """Check the model saved in ``path``. Raises DsfixError (code 2) on bad input; failing checks give ok=False."""
+def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite: bool = False) -> VerifyReport:
+    """Check the model saved in ``path``. Raises DsfixError (code 2) on bad input; failing checks give ok=False.
+    ``finite``: also read every floating tensor for NaN and Inf (``dsfix verify`` and ``dsfix smoke`` do)."""
     folder = Path(path)
     need_folder(folder)
     files, weight_map, file_problems = weight_files(folder)
@@ -259,6 +260,8 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True) -> Veri
     checks.append(nonempty_check(head))
     dtype_row, dtype_name = dtype_check(head, cfg_dtype)
     checks.append(dtype_row)
+    if finite:
+        checks.append(finite_check(folder, head))
     if tie_groups:
         checks.append(_tied_check(folder, head, tie_groups))
     if expect is not None:

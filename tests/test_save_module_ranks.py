@@ -1,0 +1,196 @@
+"""The save module under real DeepSpeed engines on 2 CPU ranks (gloo), through the deepspeed launcher.
+
+tests/module_ranks.py trains the narrow Qwen3 two steps on each rank, then saves as DeepSpeed-Chat's step 1
+does, with the module's two functions, once per step named on its command line. Three launches (about 30 s
+each on 2 cores): ZeRO-3 (the save, gather sizes, a misuse, the fallback, NaN, a rank that dies), ZeRO-3
+in bf16 with dedupe and shards, and ZeRO-0 (the save and the fallback). Last, the session's one ZeRO-3 run of
+a fixture checkout patched by `dsfix apply` (conftest's zero3_patched_run, shared with other tests).
+"""
+import hashlib
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow  # ranks
+
+pytest.importorskip("deepspeed")
+
+from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group  # noqa: E402
+from patcher.templates import dsfix_safetensors as M  # noqa: E402
+from smokekit import LAUNCH_TIMEOUT_S, REPO  # noqa: E402
+
+DRIVER = REPO / "tests" / "module_ranks.py"
+QWEN3_KEYS = 311
+
+
+def launch(work, zero_stage, steps, *extra):
+    """deepspeed --num_gpus 2 module_ranks.py ...: (exit code, output)."""
+    launcher = deepspeed_launcher()
+    if launcher is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    work.mkdir(exist_ok=True)
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(DRIVER), "--work", str(work),
+           "--zero_stage", str(zero_stage), "--steps", ",".join(steps)] + list(extra)
+    env = rank_env(nproc=2)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    code, output = run_group(cmd, env, LAUNCH_TIMEOUT_S, cwd=str(REPO))
+    if code is None:
+        pytest.fail(f"deadlock? the launcher ran past {LAUNCH_TIMEOUT_S}s:\n{output[-4000:]}")
+    return code, output
+
+
+def outcome(output, step, rank):
+    found = re.search(rf"^\[ranks\] {step} on rank {rank}: (.*); gathers (\d+)$", output, re.M)
+    assert found, f"no outcome of {step} on rank {rank}:\n{output[-6000:]}"
+    return found.group(1), int(found.group(2))
+
+
+def reference(work):
+    return torch.load(str(work / "ref" / "reference.pt"))
+
+
+def saved(folder):
+    """{name: tensor} of a folder's safetensors (one file or shards)."""
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(str(folder / name)))
+    return tensors
+
+
+def files(folder):
+    """As module_ranks.files: {name: [sha256, inode]} of the files in ``folder``."""
+    return {n: [hashlib.sha256((folder / n).read_bytes()).hexdigest(), (folder / n).stat().st_ino]
+            for n in sorted(os.listdir(folder)) if (folder / n).is_file()}
+
+
+def before(output, step):
+    """The files of the previous save the step started from, as rank 0 printed them."""
+    found = re.search(rf"^\[ranks\] {step} before: (.*)$", output, re.M)
+    assert found, output[-6000:]
+    return json.loads(found.group(1))
+
+
+def check_folder(folder, ref, keys, dtype):
+    """The folder holds the reference's tensors, loads tied, and its logits are the reference's (fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from patcher.checkpoint.verify import dtype_kwarg
+
+    names = set(os.listdir(folder))
+    assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= names, names
+    assert not [n for n in names if n.startswith((".", "pytorch_model"))], names
+    tensors = saved(folder)
+    assert len(tensors) == keys and set(ref["state_dict"]) - set(tensors) <= {"lm_head.weight"}
+    for key, value in tensors.items():
+        assert value.dtype == dtype and torch.equal(value, ref["state_dict"][key]), key
+    model = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation=ref["attn_implementation"],
+                                                 **{dtype_kwarg(): dtype}).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    if dtype == torch.float32:
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ref["probe"]).logits, ref["logits"])
+    assert AutoTokenizer.from_pretrained(str(folder))("what is tea").input_ids
+
+
+def check_fallback(folder, previous, ref):
+    """The previous save untouched; dsfix-fallback/ converts to the reference's tensors."""
+    from patcher.checkpoint.convert import convert
+
+    assert files(folder) == previous
+    assert sorted(n for n in os.listdir(folder) if n.startswith(".")) == []
+    report = convert(folder / M.FALLBACK_FOLDER)
+    assert report.exit_code == 0, report.to_dict()
+    converted = saved(folder / M.FALLBACK_FOLDER)
+    assert set(converted) == set(ref["state_dict"])
+    assert all(torch.equal(converted[k], v) for k, v in ref["state_dict"].items())
+
+
+def test_zero3_save_gathers_fallback_nan_and_a_rank_that_dies(tmp_path):
+    steps = ["save", "one", "small", "misused", "fallback", "nan", "killed"]
+    code, output = launch(tmp_path, 3, steps)
+    assert code != 0, "rank 1 dies in the last step: the launcher stops every rank and fails"
+    assert "[ranks] ZeRO-3: 310 of 310 parameters partitioned before saving" in output
+    ref = reference(tmp_path)
+
+    # the save, as step 1 makes it: rank 0's save_hf_format leaves config and tokenizer to the weights save
+    assert outcome(output, "save", 0) == ("ok", 1) and outcome(output, "save", 1) == ("ok", 1)
+    assert "[dsfix] verified 311 tensors (names, shapes, dtypes; none empty)" in output
+    assert f"[dsfix] removed stale pytorch_model.bin from {tmp_path / 'save'}" in output
+    check_folder(tmp_path / "save", ref, QWEN3_KEYS, torch.float32)
+
+    # other buckets, the same bytes: one parameter at a time (the tied alias rides along) and 0.3 MB
+    first = (tmp_path / "save" / "model.safetensors").read_bytes()
+    assert outcome(output, "one", 1) == ("ok", 310)
+    assert (tmp_path / "one" / "model.safetensors").read_bytes() == first
+    result, gathers = outcome(output, "small", 1)
+    assert result == "ok" and 10 <= gathers <= 40
+    assert (tmp_path / "small" / "model.safetensors").read_bytes() == first
+
+    # zero_stage=0 under ZeRO-3: rank 0 would write placeholders; refused before a byte is written
+    result, gathers = outcome(output, "misused", 0)
+    assert "verification failed" in result and "ZeRO-3 placeholder" in result and gathers == 0
+    assert not (tmp_path / "misused").exists()
+
+    # rank 0's writer fails: both ranks take the fallback together (a gather each), rank 0 raises its error
+    assert outcome(output, "fallback", 0) == ("failed: RuntimeError: injected writer failure on rank 0", 2)
+    result, gathers = outcome(output, "fallback", 1)
+    assert result.startswith(f"failed: SaveError: dsfix: the save to {tmp_path / 'fallback'} failed on rank 0 "
+                             "(RuntimeError: injected writer failure on rank 0)") and gathers == 2
+    assert output.count("[dsfix] FALLBACK: ") == 1
+    check_fallback(tmp_path / "fallback", before(output, "fallback"), ref)
+
+    # NaN in a weight: one warning on rank 0, the weights saved all the same
+    assert outcome(output, "nan", 0)[0] == "ok"
+    assert output.count("[dsfix] WARNING: 1 of 311 tensors hold NaN or Inf, the first "
+                        "model.layers.5.mlp.up_proj.weight; saved all the same") == 1
+    assert torch.isnan(saved(tmp_path / "nan")["model.layers.5.mlp.up_proj.weight"]).sum() == 1
+
+    # rank 1 dies in its fifth gather: the previous save stays, nothing of the new one is in place
+    assert "[ranks] rank 1 dies in gather 5" in output
+    assert files(tmp_path / "killed") == before(output, "killed")
+    M.save_hf_format(torch.nn.Linear(2, 2), None, str(tmp_path / "killed"))  # a later save removes any leftover
+    assert sorted(n for n in os.listdir(tmp_path / "killed") if n.startswith(".")) == []
+
+
+def test_zero3_bf16_dedupe_in_shards(tmp_path):
+    """DeepSpeed-Chat's persistence threshold, 1e4: small parameters stay whole, the embedding is gathered."""
+    code, output = launch(tmp_path, 3, ["save"], "--dtype", "bf16", "--strategy", "dedupe", "--max_shard_size",
+                          "400000", "--persistence_threshold", "1e4")
+    assert code == 0, output[-6000:]
+    assert "[ranks] ZeRO-3: 1 of 310 parameters partitioned before saving" in output
+    assert "[dsfix] verified 310 tensors" in output
+    check_folder(tmp_path / "save", reference(tmp_path), QWEN3_KEYS - 1, torch.bfloat16)
+    assert len([n for n in os.listdir(tmp_path / "save") if n.startswith("model-")]) > 1
+
+
+def test_zero0_save_and_fallback(tmp_path):
+    code, output = launch(tmp_path, 0, ["save", "fallback"])
+    assert code == 0, output[-6000:]
+    assert outcome(output, "save", 0) == ("ok", 0)
+    assert "ZeRO-3 parameters are partitioned" not in output
+    ref = reference(tmp_path)
+    check_folder(tmp_path / "save", ref, QWEN3_KEYS, torch.float32)
+    assert outcome(output, "fallback", 0) == ("failed: RuntimeError: injected writer failure on rank 0", 0)
+    assert outcome(output, "fallback", 1) == ("ok", 0)  # at stage 0 rank 1 saves nothing
+    check_fallback(tmp_path / "fallback", before(output, "fallback"), ref)
+
+
+def test_zero3_with_a_checkout_patched_by_dsfix(zero3_patched_run):
+    """fixtures/step1_trainer/train.py saves with the functions `dsfix apply` put into a fixture checkout's
+    utils.py; in the same run the checkout's own functions save too (upstream's .bin, without the tied
+    lm_head.weight): dsfix's tensors equal them and the reference."""
+    tmp_path, code, output = zero3_patched_run
+    assert code == 0, output[-6000:]
+    assert "[dsfix] verified 311 tensors (names, shapes, dtypes; none empty)" in output
+    assert "[train] ZeRO-3: 310 of 310 parameters partitioned before saving" in output
+    assert "[train] variant original on rank 0: ok" in output
+    after, ref = saved(tmp_path / "out"), reference(tmp_path)["state_dict"]
+    assert set(after) == set(ref) and all(torch.equal(after[k], v) for k, v in ref.items())
+    before = torch.load(str(tmp_path / "original" / "pytorch_model.bin"), weights_only=True)
+    assert len(before) == 310 and set(after) == set(before) | {"lm_head.weight"}
+    assert all(torch.equal(after[k], v) for k, v in before.items())
