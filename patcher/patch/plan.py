@@ -173,7 +173,7 @@ def _restores(saved: Saved | None, drop: tuple, steps: tuple) -> list:
     listed, out = ",".join(map(str, steps)), []
     for t in drop:
         r = revert_with_state(saved, t)
-        words = _step_words(t.role)
+        words = t.steps_text()
         if r.status == Status.REFUSED:
             how = "edited since apply where dsfix changed it" if t.data is not None else "gone since apply"
             raise DsfixError(f"patched for {words}, which --steps {listed} leaves out, but {how}; run `dsfix revert` "
@@ -202,17 +202,11 @@ def _state(saved: Saved | None, pending: list, dropped: set, record: tuple) -> S
     return Saved(entries, blobs, *record)
 
 
-def _step_words(role: str) -> str:
-    return "steps 2 and 3 (step 3's critic loader)" if role == "loader" else role.replace("step", "step ")
-
-
 def left_out(saved: Saved | None, steps: tuple) -> list:
     """The files ``saved`` records for steps that ``steps`` leaves out (their rel paths)."""
     if saved is None:
         return []
-    keep = {f"step{n}" for n in steps} | ({"loader"} if {2, 3} & set(steps) else set())
-    return sorted(rel for rel, e in saved.entries.items()
-                  if e.get("role") in ("step1", "step2", "step3", "loader") and e.get("role") not in keep)
+    return sorted(rel for rel in saved.entries if not saved.target(rel, None).steps & set(steps))
 
 
 def original_under_edits(saved: Saved, target: Target) -> bytes | None:

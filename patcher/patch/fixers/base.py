@@ -37,6 +37,20 @@ class Target:
         """How the state folder records it: the kind, or ``step1``/``step2``/``step3`` for a script."""
         return f"step{self.step}" if self.kind == "script" else self.kind
 
+    @property
+    def steps(self) -> frozenset:
+        """The DeepSpeed-Chat steps the file is patched for: a script's own step; step 3's loader for steps 2
+        and 3 (step 3 reads what step 2 saves); utils.py and the save module for every step."""
+        if self.kind == "script":
+            return frozenset({self.step})
+        return frozenset({2, 3}) if self.kind == "loader" else frozenset({1, 2, 3})
+
+    def steps_text(self) -> str:
+        """How a message names those steps: "step 2", "steps 2 and 3 (step 3's critic loader)"."""
+        if self.kind == "loader":
+            return "steps 2 and 3 (step 3's critic loader)"
+        return f"step {self.step}" if self.kind == "script" else "every step"
+
     @classmethod
     def of_role(cls, rel: str, role: str, data: bytes | None, modules=()) -> "Target":
         """A target from the role the state folder (or locating) records; a script of an older dsfix is a
