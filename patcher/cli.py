@@ -496,8 +496,10 @@ def convert(
     given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag),
                             ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None)) if v is not None]
     if given or dtype is not OutDType.auto:
-        raise DsfixError(f"{', '.join(given) or '--dtype'} is for DeepSpeed engine checkpoints (latest + global_stepN/); "
-                         "this is not one: a .bin folder is converted in place", path=str(folder))
+        options = given or ["--dtype"]
+        raise DsfixError(f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} for DeepSpeed engine checkpoints "
+                         "(latest + global_stepN/); this is not one: a .bin folder is converted in place",
+                         path=str(folder))
     from patcher.checkpoint.convert import convert as run_convert
 
     return run_convert(folder, strategy=strategy.value, remove_bin=remove_bin, load=load, console=err.console)

@@ -64,8 +64,8 @@ def require(verb: str, *, deepspeed: str | None = None, cuda: bool = False) -> N
     ``cuda``: --device cuda was asked for."""
     gone = missing(*SMOKE_EXTRA)
     if gone:
-        raise DsfixError(f"dsfix {verb} needs {', '.join(gone)}, which this Python ({sys.executable}) lacks: "
-                         f"{install_line(gone)} (dsfix's [smoke] extra)")
+        raise DsfixError(f"dsfix {verb} needs {', '.join(gone)}, which this Python lacks: {install_line(gone)} "
+                         "(dsfix's [smoke] extra)", detail=[f"this Python: {sys.executable}"])
     if deepspeed and missing("deepspeed"):
         drop = f" (or leave out {deepspeed})" if deepspeed.startswith("--") else ""
         raise DsfixError(f"{deepspeed} needs DeepSpeed, which this Python lacks: {INSTALL_DEEPSPEED}{drop}")

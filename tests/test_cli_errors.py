@@ -30,8 +30,11 @@ ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capi
     ("convert: no such folder", ["convert", "MISSING"], 2, "dsfix: error: MISSING: no such folder"),
     ("convert: a file", ["convert", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
     ("convert: an empty folder", ["convert", "EMPTY"], 2,
-     "dsfix: error: EMPTY: no pytorch_model.bin or pytorch_model.bin.index.json here, nor actor/, critic/ or "
-     "actor_ema/ with one"),
+     "dsfix: error: EMPTY: no pytorch_model.bin (or its index) here nor in actor/, critic/, actor_ema/, and no "
+     "DeepSpeed checkpoint (latest, global_stepN/)"),
+    ("convert: two engine options on a .bin folder", ["convert", "BINS", "--config", "EMPTY", "--output", "EMPTY"], 2,
+     "dsfix: error: BINS: --config, --output are for DeepSpeed engine checkpoints (latest + global_stepN/); this is "
+     "not one: a .bin folder is converted in place"),
     ("convert: an engine option on a .bin folder", ["convert", "BINS", "--dtype", "bf16"], 2,
      "dsfix: error: BINS: --dtype is for DeepSpeed engine checkpoints (latest + global_stepN/); this is not one: "
      "a .bin folder is converted in place"),
@@ -47,6 +50,10 @@ ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capi
     ("convert: --remove-bin on an engine checkpoint", ["convert", "ENGINE", "--remove-bin"], 2,
      "dsfix: error: --remove-bin is for .bin output folders; a DeepSpeed engine checkpoint is left as it is"),
     ("smoke: a file", ["smoke", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
+    ("smoke: --config names a folder", ["smoke", "PATCHED", "--config", "EMPTY"], 2,
+     "dsfix: error: EMPTY: is a folder; --config names a config.json (--model takes a model folder)"),
+    ("check: --main names a folder", ["check", "PATCHED", "--main", "EMPTY"], 2,
+     "dsfix: error: EMPTY: --main: is a folder; --main names a script (the step-1 main.py, say)"),
     ("check: a file", ["check", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
     ("apply: a file", ["apply", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
     ("revert: a file", ["revert", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),

@@ -84,7 +84,7 @@ REFUSED = [
      ["no training/step1_supervised_finetuning/main.py", "--main training/step1_supervised_finetuning/sft.py"]),
     ("no checkout, two scripts", {"a.py": FROM_PKG, "b.py": FROM_PKG}, None,
      ["no DeepSpeed-Chat checkout here or above", "--main a.py or --main b.py"]),
-    ("no checkout, no script", {"a.py": NO_SAVE}, None, ["no DeepSpeed-Chat checkout", "pass the step-1 script"]),
+    ("no checkout, no script", {"a.py": NO_SAVE}, None, ["no DeepSpeed-Chat checkout", "name the step-1 script with --main"]),
     ("--main that is nowhere", {**PKG, f"training/{S1}": FROM_PKG}, "nowhere.py",
      ["--main: no such file in the checkout or the current folder"]),
     ("several folders below", {f"c{i}/training/{S1}": FROM_PKG for i in range(5)} | {

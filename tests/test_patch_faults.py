@@ -87,7 +87,7 @@ def test_missing_path(tmp_path):
 @pytest.mark.slow
 def test_not_a_checkout(tmp_path):
     line = _one_line_error(run("apply", tmp_path), 2)
-    assert "no DeepSpeed-Chat checkout" in line and "training/step1_supervised_finetuning/main.py" in line
+    assert "no DeepSpeed-Chat checkout" in line and "step1_supervised_finetuning/main.py" in line
 
 
 @pytest.mark.slow
@@ -510,3 +510,24 @@ def test_an_edited_save_module_is_refused_and_kept_aside_by_force(tmp_path, stat
     assert p.returncode == 0, p.stderr
     assert (co / (MODULE + ".dsfix-edited")).read_bytes() == mine and not (co / MODULE).exists()
     assert {k: v for k, v in snapshot(co).items() if not k.endswith(".dsfix-edited")} == original
+
+
+@pytest.mark.slow
+def test_revert_above_two_checkouts_refuses_as_check_does(tmp_path):
+    """From a folder holding two checkouts, revert does not pick one by its marker lines (it used to undo one
+    of them structurally, leaving its main.py calling functions its utils.py no longer had)."""
+    a = copy_fixture("package", tmp_path / "a")
+    copy_fixture("package", tmp_path / "b")
+    assert cli("apply", a)[0] == 0
+    before = snapshot(tmp_path)
+    line = _one_line_error(run("revert", tmp_path), 2)
+    assert "2 DeepSpeed-Chat folders below this one" in line
+    assert snapshot(tmp_path) == before
+    assert run("revert", a).returncode == 0
+
+
+def test_revert_where_dsfix_never_was_lists_nothing(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "x.py").write_text("save_hf_format_safetensors(m, t, a)\n")
+    p = run("revert", tmp_path)
+    assert p.returncode in (0, 2) and b"unchanged:" not in p.stderr

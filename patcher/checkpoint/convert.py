@@ -265,8 +265,8 @@ def _survey(folder: Path) -> _Plan:
     else:
         others = sorted(p.name for p in folder.glob("*.bin"))
         found = f"; found only {examples(others)}" if others else ""
-        raise DsfixError(f"no {BIN_NAME} or {BIN_INDEX_NAME} here, nor actor/, critic/ or actor_ema/ with one{found}",
-                         path=str(folder))
+        raise DsfixError(f"no {BIN_NAME} (or its index) here nor in actor/, critic/, actor_ema/, and no DeepSpeed "
+                         f"checkpoint (latest, global_stepN/){found}", path=str(folder))
     if st_name is not None:
         return _Plan(folder, source, sharded, already=f"{st_name} is already there beside {examples(source)} "
                                                       f"(remove {st_name} to convert again)")

@@ -348,6 +348,9 @@ def _check_inputs(checkout, dtype, zero_stage, nproc, device, model_dir, config_
             raise DsfixError("not a model folder (no config.json)", path=str(model_dir))
     else:
         config_path = Path(config_path) if config_path is not None else resource_path("fixtures", BUNDLED_CONFIG)
+        if config_path.is_dir():
+            raise DsfixError("is a folder; --config names a config.json (--model takes a model folder)",
+                             path=str(config_path))
         if not config_path.is_file():
             raise DsfixError("no such config file", path=str(config_path))
     if SAVE_HF not in _utils_defines(checkout):

@@ -547,8 +547,8 @@ class _Routes(_Uses):
                 continue
             full, shown = ".".join([q, *attrs]), ".".join([base.id, *attrs])
             if full in self.above:
-                self.found.append((line, f"uses the module {shown} as a value (passed on, stored or given to "
-                                         "getattr), so its original save functions stay within reach"))
+                self.found.append((line, f"uses the module {shown} as a value (passed on or stored), so its "
+                                         "original save functions stay reachable"))
             elif any(full == f"{m}.{n}" for m in self.modules for n in self.names):
                 self.found.append((line, f"{shown} still refers to the original save function"))
 
@@ -567,4 +567,4 @@ class _Routes(_Uses):
     def visit_Constant(self, node):
         if isinstance(node.value, str) and node.value in self.modules:
             self.found.append((node.lineno, f"names the module {node.value} in a string (an import by name), "
-                                            "so its original save functions stay within reach"))
+                                            "so its original save functions stay reachable"))

@@ -12,7 +12,7 @@ from patcher.patch import plan as planner
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
 from patcher.errors import OK, PENDING, DsfixError
-from patcher.patch.locate import Checkout, find_checkout, find_patched, layout_of
+from patcher.patch.locate import Checkout, chat_roots_below, find_checkout, find_patched, layout_of
 from patcher.patch.plan import Status, Target
 from patcher.patch.template import check_strategy
 from patcher.report import Result
@@ -191,7 +191,8 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
         except DsfixError as e:  # a layout only --main could name, say: the files still tell what dsfix changed
             not_a_checkout = e
             root = Path(repo).resolve()
-            root = root if root.is_dir() else root.parent
+            if len(chat_roots_below(root)) > 1:  # which checkout? as check, revert does not guess
+                raise
     with st.lock(root):
         st.recover(root)
         saved = st.load(root)
@@ -215,6 +216,8 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
         st.commit(root, [(root / rel, data) for rel, data in plan.writes], None if saved is not None else st.KEEP,
                   rel_of=lambda p: Path(os.path.relpath(p, root)).as_posix())
         out.message = _reverted(plan)
+        if saved is None and not plan.restored:  # nothing of dsfix's here: no list of the files looked at
+            out.files = []
         return out
 
 

@@ -169,7 +169,7 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
 def _one_chat_root_below(start: Path, repo, notes: list) -> Path | None:
     """The one DeepSpeed-Chat folder below ``start`` (a repository that keeps its copy a few folders down);
     several are refused, naming them."""
-    below = _chat_roots_below(start)
+    below = chat_roots_below(start)
     if len(below) > 1:
         shown_below = shown([Path(os.path.relpath(p, start)).as_posix() for p in below])
         raise DsfixError(f"{len(below)} DeepSpeed-Chat folders below this one ({shown_below}); run dsfix on "
@@ -202,9 +202,9 @@ def _no_checkout(start: Path, repo) -> DsfixError:
     found = callers(start, depth=3)
     rels = [Path(os.path.relpath(p, start)).as_posix() for p in found]
     hint = ("; for a script that calls save_hf_format, pass " + shown([_opt("--main", r) for r in rels], sep=" or ")
-            if found else "; run dsfix in a DeepSpeed-Chat folder, or pass the step-1 script with --main")
-    return DsfixError(f"no DeepSpeed-Chat checkout here or above (no {STEP_MAIN[1]} or other {STEP1_DIR}/main.py "
-                      f"that saves){hint}", path=_shown_arg(repo),
+            if found else "; run dsfix in one, or name the step-1 script with --main")
+    return DsfixError(f"no DeepSpeed-Chat checkout here or above (no {STEP1_DIR}/main.py that saves){hint}",
+                      path=_shown_arg(repo),
                       detail=[f"looked for {STEP_MAIN[1]}, a {STEP1_DIR}/main.py that calls the save functions, "
                               f"{LAYOUTS['package']} or {LAYOUTS['legacy']}, here, above and under {CHAT_SUBDIR}/",
                               *(_opt("--main", r) for r in rels)])
@@ -273,7 +273,7 @@ def _remembered(rec):
     return root, main, scripts
 
 
-def _chat_roots_below(start: Path, depth: int = 4) -> list:
+def chat_roots_below(start: Path, depth: int = 4) -> list:
     """DeepSpeed-Chat folders under ``start`` (a repository that keeps its copy a few folders down)."""
     found, base = [], len(start.parts)
     for d, dirs, _files in os.walk(start):
@@ -314,6 +314,9 @@ def _given(p, option, home: Path, notes: list) -> Path:
     """An option's path: relative to the checkout (``home``) first, then to the current folder."""
     path = Path(p)
     tried = [path] if path.is_absolute() else [home / path, Path.cwd() / path]
+    if not any(c.is_file() for c in tried) and any(c.is_dir() for c in tried):
+        raise DsfixError(f"{option}: is a folder; {option} names a script (the step-1 main.py, say)",
+                         path=path.as_posix())
     for i, cand in enumerate(tried):
         if cand.is_file():
             cand = Path(os.path.abspath(cand))

@@ -21,8 +21,8 @@ class ModuleFixer(Fixer):
     def patch(self, target: Target, ctx: Context) -> Patched:
         ours, version = module_bytes(), module_version()
         if target.data is None:
-            return Patched(ours, [f"adds dsfix's save module (v{version}), which the wrappers in utils.py call; "
-                                  "read its docstring for what it writes"])
+            return Patched(ours, [f"adds dsfix's save module (v{version}), which the wrappers in utils.py call: a new "
+                                  "file (git lists it as untracked); its docstring says what it writes"])
         if target.data == ours:
             return Patched(ours)
         found = version_of(target.data)

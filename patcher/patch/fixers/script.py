@@ -288,8 +288,7 @@ class ScriptFixer(Fixer):
         if routes:
             line, why = routes[0]
             more = f" (and {len(routes) - 1} more)" if len(routes) > 1 else ""
-            raise DsfixError(f"{why}{more}; dsfix cannot follow that route to rewrite it: call the save functions "
-                             "directly and run dsfix again", line=line)
+            raise DsfixError(f"{why}{more}: call them directly and run dsfix again", line=line)
 
     def unpatch(self, data: bytes, target: Target, force: bool = False) -> tuple:
         new = rename_calls(*find_save_calls(data, target.modules, target.rel), NEW_NAMES, target.modules).new

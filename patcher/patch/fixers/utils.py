@@ -26,7 +26,7 @@ from patcher.errors import DsfixError
 from patcher.patch import calls, imports, signature
 from patcher.patch.fixers.base import PLACEHOLDER, Context, Fixer, Patched, Target, make_marker, parse_marker, put_block
 from patcher.patch.imports import ImportSpec
-from patcher.patch.names import SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, is_dsfix_name
+from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, is_dsfix_name
 from patcher.patch.source import Source, encode, newline_of, parse_script
 from patcher.patch.template import module_version
 
@@ -279,8 +279,9 @@ class UtilsFixer(Fixer):
         text, added = self._assemble(f, ctx, import_form(ctx, held), list(dict.fromkeys(replaced)))
         out = encode(text, f.encoding, rel)
         if not patched.marker:
-            notes.append(f"adds `{MODULE_IMPORTS[import_form(ctx, held)].splitlines()[0]}`"
-                         + "".join(f", `{s.source()}`" for s in added))
+            imported = [MODULE_IMPORTS[import_form(ctx, held)].splitlines()[0], *(s.source() for s in added)]
+            notes.append(f"adds `{'`, `'.join(imported)}`, and after save_hf_format its two wrappers, "
+                         f"{', '.join(PUBLIC_NAMES)}")
         else:
             notes[:0] = _update_notes(info, ctx.strategy)
         return Patched(out, notes if out != data else [])
