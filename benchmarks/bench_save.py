@@ -55,7 +55,20 @@ def upstream_save(model, out_dir):
 
 
 def child(args):
-    """One method, in this process; writes its result as JSON."""
+    """The methods named (comma-separated), one after the other in this process; writes their results as a
+    JSON list. A measurement runs one method a process; --quick, a smoke test of the harness, runs them all in
+    one (each with a model of its own), which saves a torch and transformers import per method."""
+    results = []
+    os.makedirs(args.out)
+    for method in args.child.split(","):
+        one = argparse.Namespace(**{**vars(args), "child": method, "out": os.path.join(args.out, method)})
+        results.append(child_method(one))
+    with open(args.result, "w") as handle:
+        json.dump(results, handle)
+
+
+def child_method(args):
+    """One method, in this process: its result."""
     import torch
 
     started = time.perf_counter()
@@ -77,10 +90,12 @@ def child(args):
         gpu_base = torch.cuda.memory_allocated()
     rss = common.reset_peak()
     started = time.perf_counter()
+    checked = save.is_finite
     if args.child == "dsfix_clone_nocheck":
         save.is_finite = lambda tensor, chunk_elements=None: True
     if args.child in ("dsfix_clone", "dsfix_dedupe", "dsfix_clone_nocheck"):
         save.save_hf_format(model, None, args.out, strategy=args.child.split("_")[1])
+        save.is_finite = checked
     elif args.child == "finite":
         result["finite"] = all(save.is_finite(v) for v in model.state_dict().values())
     elif args.child == "transformers":
@@ -105,20 +120,21 @@ def child(args):
         result["gpu_peak_above_bytes"] = torch.cuda.max_memory_allocated() - gpu_base
     result["bytes_written"] = sum(common.written(args.out).values())
     result["tensors"] = common.tensor_count(args.out) if args.child not in ("raw", "finite") else None
-    with open(args.result, "w") as handle:
-        json.dump(result, handle)
+    shutil.rmtree(args.out, ignore_errors=True)
+    return result
 
 
-def run_child(method, args, work):
-    out, result_path = os.path.join(work, "out-" + method), os.path.join(work, "result.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", method, "--device", args.device,
+def run_child(methods, args, work):
+    """[result] of ``methods`` run in one child process."""
+    out, result_path = os.path.join(work, "out"), os.path.join(work, "result.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", ",".join(methods), "--device", args.device,
            "--config", args.config, "--out", out, "--result", result_path]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=common.REPO_ROOT)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0:
-        print("[bench] %s failed:\n%s" % (method, proc.stdout[-3000:]), file=sys.stderr)
-        return {"method": method, "error": proc.stdout[-3000:]}
+        print("[bench] %s failed:\n%s" % (", ".join(methods), proc.stdout[-3000:]), file=sys.stderr)
+        return [{"method": method, "error": proc.stdout[-3000:]} for method in methods]
     with open(result_path) as handle:
         return json.load(handle)
 
@@ -141,8 +157,10 @@ def summarise(results):
 
 def report(args, summary, facts):
     lines = ["- command: `python benchmarks/bench_save.py %s`" % " ".join(args.argv),
-             "- model: %s, random bf16 weights, tied embeddings, on %s; %d round(s), methods alternated, each in its "
-             "own process; medians" % (os.path.relpath(args.config, common.REPO_ROOT), args.device, args.rounds),
+             "- model: %s, random bf16 weights, tied embeddings, on %s; %d round(s), methods alternated, %s; medians"
+             % (os.path.relpath(args.config, common.REPO_ROOT), args.device, args.rounds,
+                "all in one process (--quick: a smoke test, not a measurement)" if args.quick else
+                "each in its own process"),
              "- machine: %s" % facts,
              "- every file and folder fsynced inside the timed region; an untimed scratch write of the same size "
              "first, so all meet a warm page cache; peak RSS: the process's peak during the save above its RSS "
@@ -215,9 +233,11 @@ def main(argv=None):
     try:
         results = []
         for i in range(args.rounds):
-            for method in methods[i % len(methods):] + methods[:i % len(methods)]:  # rotate each round
-                print("[bench] round %d/%d: %s" % (i + 1, args.rounds, method), file=sys.stderr, flush=True)
-                results.append(run_child(method, args, work))
+            order = methods[i % len(methods):] + methods[:i % len(methods)]  # rotate each round
+            for batch in ([order] if args.quick else [[m] for m in order]):
+                print("[bench] round %d/%d: %s" % (i + 1, args.rounds, ", ".join(batch)), file=sys.stderr,
+                      flush=True)
+                results += run_child(batch, args, work)
         facts = common.machine_facts(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)

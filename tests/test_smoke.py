@@ -166,7 +166,10 @@ def test_ast_fallback_when_the_utils_import_fails(tmp_path):
     # the row passed: it says how the functions were found, and the why is one warning, said once
     functions = report.check("functions")
     assert functions.ok and "with ast" in functions.detail and "ModuleNotFoundError" not in functions.detail
-    assert len(report.warnings) == 1 and "dsfix_test_missing_module" in report.warnings[0]
+    if importlib.util.find_spec("deepspeed") is None:  # the import stops at DeepSpeed first: expected, no warning
+        assert report.warnings == []
+    else:
+        assert len(report.warnings) == 1 and "dsfix_test_missing_module" in report.warnings[0]
     assert report.to_dict()["warnings"] == report.warnings
 
 
