@@ -8,12 +8,14 @@ and with the engine's own gathered model.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -728,6 +730,39 @@ def test_bad_checkpoints_get_one_line_and_nothing_written(engine_checkpoints, tm
     assert not (tmp_path / "out-vocab").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(engine.STAGING_PREFIX)]
 
+
+
+@pytest.mark.slow
+def test_every_file_is_on_disk_before_the_rename_and_a_failed_fsync_writes_nothing(engine_checkpoints, tmp_path,
+                                                                                  monkeypatch):
+    """The staged files are fsynced on a thread while they are checked: the rename still comes after every one."""
+    ckpt, model_dir = engine_checkpoints
+    synced, renamed = set(), []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        real_fsync(fd)
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def rename(src, dst):
+        renamed.append({p.name for p in Path(src).iterdir() if os.path.realpath(p) not in synced})
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    result = engine.convert_engine(ckpt / "zero3", model_dir, tmp_path / "out")
+    assert result.ok and "config.json" in result.written
+    assert renamed == [set()]  # not one file unsynced when the folder was renamed into place
+
+    def eio(folder):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(engine, "fsync_folder", eio)
+    with pytest.raises(DsfixError) as info:
+        engine.convert_engine(ckpt / "zero3", model_dir, tmp_path / "out-eio")
+    assert "cannot write the converted files: Input/output error; nothing written" in str(info.value)
+    assert not (tmp_path / "out-eio").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(engine.STAGING_PREFIX)]
 
 def _cli(*args):
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}

@@ -15,7 +15,8 @@ time, which is cast to the output dtype and written at its place. Memory is one 
 parameter's file, for a universal checkpoint) plus one piece, never the whole model. A tied alias recorded
 in ``shared_params`` is written from the same pieces (``clone``) or left out (``dedupe``). Every element of
 every tensor is accounted for before the folder is verified (``dsfix verify``'s checks, and a
-``from_pretrained`` load in the files' dtype) and renamed into place; a failure leaves nothing behind.
+``from_pretrained`` load in the files' dtype; a thread fsyncs the files meanwhile) and renamed into place,
+once every file is on disk; a failure leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ from patcher.checkpoint.checks import (
     CONFIG_NAME, INDEX_NAME, Check, Header, examples, keys_check, load_config, nonempty_check, shapes_check,
 )
 from patcher.checkpoint.convert import ConvertStatus
-from patcher.checkpoint.files import fsync
+from patcher.checkpoint.files import fsync, fsync_folder
 from patcher.checkpoint.progress import Progress
 from patcher.checkpoint.verify import expected_of, load_check, meta_model, verify_folder
 from patcher.checkpoint.zero import Layout, load_pt
@@ -383,19 +385,22 @@ class _Job(NamedTuple):
 
 
 def _convert(job: _Job, config: Path, output: Path, load: bool, cfg, checks: list, base: dict) -> EngineResult:
-    """Writes into a staging folder beside ``output``, verifies it, renames it into place; nothing left on failure."""
+    """Writes into a staging folder beside ``output``, verifies it, renames it into place; nothing left on failure.
+    The staged files go to the disk (fsync) on a thread while they are checked; the rename waits for it."""
     try:
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=str(output.parent)))
     except OSError as e:
         raise DsfixError(f"cannot write here: {e.strerror or e}; nothing written", path=str(output.parent))
     try:
-        files, stage, kept = _write(job, staging)
-        for name in (CONFIG_NAME,) + COPIED:
-            if (config / name).is_file():
-                shutil.copyfile(config / name, staging / name)
-        fsync(staging)
-        source = checks[0]._replace(detail=checks[0].detail.replace("ZeRO-1/2", f"ZeRO-{stage or '1/2'}"))
-        checks = [source] + _verify(staging, len(job.plan.entries), load, cfg, job.dtype, checks) + kept
+        with ThreadPoolExecutor(max_workers=1) as disk:
+            files, stage, kept = _write(job, staging)
+            for name in (CONFIG_NAME,) + COPIED:
+                if (config / name).is_file():
+                    shutil.copyfile(config / name, staging / name)
+            synced = disk.submit(fsync_folder, staging)
+            source = checks[0]._replace(detail=checks[0].detail.replace("ZeRO-1/2", f"ZeRO-{stage or '1/2'}"))
+            checks = [source] + _verify(staging, len(job.plan.entries), load, cfg, job.dtype, checks) + kept
+            _wait_durable(synced, output)
         nbytes = sum((staging / f).stat().st_size for f in files)
         if not all(c.ok for c in checks):
             return EngineResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(checks), stage=stage,
@@ -415,6 +420,15 @@ def _convert(job: _Job, config: Path, output: Path, load: bool, cfg, checks: lis
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _wait_durable(synced, output: Path) -> None:
+    """Waits for the staged files' fsync; a failed one (EIO, ENOSPC on write-back) fails the convert."""
+    try:
+        synced.result()
+    except OSError as e:
+        raise DsfixError(f"cannot write the converted files: {e.strerror or e}; nothing written",
+                         path=str(output.parent))
 
 
 def _verify(folder: Path, count: int, load: bool, cfg, dtype, pre: list) -> list:
@@ -469,7 +483,7 @@ def _bytes_of(tensor) -> memoryview:
 
 
 def _write(job: _Job, staging: Path) -> tuple[list, Optional[int], list]:
-    """Streams the tensors into ``staging``. Returns (file names, ZeRO stage, the --keep-lora file's check)."""
+    """Streams the tensors into ``staging`` (not yet fsynced: ``_convert`` does that while it checks them). Returns (file names, ZeRO stage, the --keep-lora file's check)."""
     files = _layout_files(job.plan.entries, job.limit)
     fds: list = []
     try:
@@ -478,8 +492,6 @@ def _write(job: _Job, staging: Path) -> tuple[list, Optional[int], list]:
             sink = _Sink(job.plan.entries, outs, job.layout.folder, advance)
             stage, kept = _feed(job, staging, sink.put)
         sink.check_complete()
-        for fd in fds:
-            os.fsync(fd)
     except OSError as e:
         raise DsfixError(f"cannot write the converted files: {e.strerror or e}; nothing written", path=str(staging.parent))
     finally:
@@ -490,7 +502,6 @@ def _write(job: _Job, staging: Path) -> tuple[list, Optional[int], list]:
         index = {"metadata": {"total_size": total},
                  "weight_map": dict(sorted((k, f[0]) for f in files for k in f[2]))}
         (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        fsync(staging / INDEX_NAME)
         names.append(INDEX_NAME)
     return names, stage, kept
 
@@ -578,7 +589,6 @@ def _keep_factors(fuser, job: _Job, staging: Path) -> Check:
             "layout": "DeepSpeed-Chat LinearLayer_LoRA",
             "fused_into": "the model's weights (weight += lora_scaling / r * left.T @ right.T)"}
     save_file(tensors, str(staging / lora.FILE), metadata=meta)
-    fsync(staging / lora.FILE)
     with safe_open(str(staging / lora.FILE), framework="pt") as f:
         back = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     if back != shapes:

@@ -24,3 +24,11 @@ def fsync(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def fsync_folder(folder: Path) -> None:
+    """fsync every file in ``folder``, then the folder itself."""
+    for path in sorted(folder.iterdir()):
+        if path.is_file():
+            fsync(path)
+    fsync(folder)
