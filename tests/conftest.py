@@ -2,6 +2,7 @@ import ast
 import importlib.util
 import json
 import os
+import signal
 import sys
 
 import pytest
@@ -11,6 +12,13 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 TINY_QWEN3_HELPER = os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "tiny_qwen3.py")
+
+# The interrupt tests stop real processes with real SIGINTs (patcher.errors.stop_point). A suite started
+# where SIGINT is ignored (a background job of a script, nohup) would pass that on to every process it
+# starts, and dsfix rightly leaves an ignored SIGINT ignored; so the suite takes Python's own handler back,
+# and the processes it starts get the default again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _marked_slow(path) -> bool:
