@@ -483,7 +483,8 @@ def _bytes_of(tensor) -> memoryview:
 
 
 def _write(job: _Job, staging: Path) -> tuple[list, Optional[int], list]:
-    """Streams the tensors into ``staging`` (not yet fsynced: ``_convert`` does that while it checks them). Returns (file names, ZeRO stage, the --keep-lora file's check)."""
+    """Streams the tensors into ``staging`` (not fsynced: ``_convert`` does that while it checks them).
+    Returns (file names, ZeRO stage, the --keep-lora file's check)."""
     files = _layout_files(job.plan.entries, job.limit)
     fds: list = []
     try:
