@@ -256,34 +256,3 @@ def remove(body: list, spec: ImportSpec) -> list:
                 body[i] = stmt.with_changes(body=[small.with_changes(names=remove_alias(small.names, k))])
                 return body
     return body
-
-
-def drop_orphaned(before: cst.Module, after: cst.Module, reads) -> tuple:
-    """(``after`` without the top-level imports that ``before`` read and ``after`` no longer reads, the names
-    dropped). ``reads(code, names)``: how often the module-level binding of each name is read."""
-    bound = {}
-    for stmt in after.body:
-        small = top_import(stmt)
-        if small is not None and not isinstance(small.names, cst.ImportStar):
-            for alias in small.names:
-                bound[bound_name(alias)] = alias
-    used_before, used_after = reads(before.code, bound), reads(after.code, bound)
-    orphans = {n for n in bound if used_before[n] > 0 and used_after[n] == 0}
-    if not orphans:
-        return after, []
-    body, dropped = [], []
-    for stmt in after.body:
-        small = top_import(stmt)
-        if small is None or isinstance(small.names, cst.ImportStar):
-            body.append(stmt)
-            continue
-        names = list(small.names)
-        for k in reversed(range(len(names))):
-            if bound_name(names[k]) in orphans:
-                dropped.append(bound_name(names[k]))
-                names = remove_alias(names, k) if len(names) > 1 else []
-        if names and len(names) != len(small.names):
-            body.append(stmt.with_changes(body=[small.with_changes(names=names)]))
-        elif names:
-            body.append(stmt)
-    return after.with_changes(body=body), sorted(dropped)

@@ -191,9 +191,8 @@ def put_block(code: str, newline: str, block: str) -> str:
     return code[:at] + block[: -len(newline)] + code[end:]  # the file ended without a newline
 
 
-def in_style(text: str, module: cst.Module) -> str:
-    """Code written with 4-space indents and "\\n" newlines, in the module's own indentation and newlines."""
-    indent, newline = module.default_indent, module.default_newline
+def in_style(text: str, indent: str, newline: str) -> str:
+    """Code written with 4-space indents and "\\n" newlines, in a file's own indentation and newlines."""
     if indent != "    ":
         lines = []
         for line in text.split("\n"):

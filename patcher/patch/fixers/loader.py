@@ -94,7 +94,7 @@ class LoaderFixer(Fixer):
         marker = make_marker(tpl.version, {"kind": "loader",
                                            "calls": ",".join(f"{n}:{o}" for n, o in editor.renamed.items()),
                                            "added-imports": ",".join(s.token for s in added)})
-        code = with_block(new, in_style("\n\n" + marker + "\n" + tpl.body, new))
+        code = with_block(new, in_style("\n\n" + marker + "\n" + tpl.body, new.default_indent, new.default_newline))
         out = encode(code, module.encoding, target.rel)
         return Patched(out, notes if out != target.data else [])
 

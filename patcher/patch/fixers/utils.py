@@ -24,7 +24,8 @@ import libcst as cst
 
 from patcher.errors import DsfixError
 from patcher.patch import calls, imports, signature
-from patcher.patch.fixers.base import PLACEHOLDER, Context, Fixer, Patched, Target, make_marker, parse_marker, put_block
+from patcher.patch.fixers.base import (PLACEHOLDER, Context, Fixer, Patched, Target, in_style, make_marker, parse_marker,
+                                       put_block)
 from patcher.patch.imports import ImportSpec
 from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, is_dsfix_name
 from patcher.patch.source import Source, encode, newline_of, parse_script
@@ -101,7 +102,7 @@ class _File:
         return _FORMS.get(" ".join(self.segment(i).split()))
 
     def dsfix_statements(self) -> list:
-        return [i for i, s in enumerate(self.body) if _defined(s) is not None and is_dsfix_name(_defined(s))]
+        return [i for i, s in enumerate(self.body) if is_dsfix_name(_defined(s) or "")]
 
     def default_indent(self) -> str:
         """The file's indentation, as libcst infers it: its first indented block's."""
@@ -141,13 +142,6 @@ def import_form(ctx: Context, held: str | None) -> str:
 
 def wrappers(defs: dict, strategy: str) -> str:
     return "\n\n".join(signature.generate(defs[name], DOCSTRINGS[name], strategy) for name in SAVE_NAMES)
-
-
-def _in_style(text: str, indent: str, newline: str) -> str:
-    """Code written with 4-space indents and "\\n" newlines, in a file's own indentation and newlines."""
-    if indent != "    ":
-        text = re.sub(r"(?m)^( +)", lambda m: indent * (len(m.group(1)) // 4) + " " * (len(m.group(1)) % 4), text)
-    return text.replace("\n", newline)
 
 
 # ----------------------------------------------------------------------------- taking dsfix's code out
@@ -296,8 +290,8 @@ class UtilsFixer(Fixer):
                                                 "added-imports": ",".join(s.token for s in needed),
                                                 "replaced": ",".join(replaced)}, TAIL)
         heads = "".join(s.source() + "\n" for s in needed) + MODULE_IMPORTS[form] + "\n"
-        edits = [(_imports_at(f), _imports_at(f), _in_style(heads, "    ", f.newline))]
-        block = _in_style(f"\n\n{marker}\n{ABOUT}\n{body}", f.default_indent(), f.newline)
+        edits = [(_imports_at(f), _imports_at(f), in_style(heads, "    ", f.newline))]
+        block = in_style(f"\n\n{marker}\n{ABOUT}\n{body}", f.default_indent(), f.newline)
         if PLACEHOLDER in f.text:
             return put_block(_spliced(f.text, edits), f.newline, block), needed
         at = _after_save_hf_format(f)
@@ -320,8 +314,8 @@ class UtilsFixer(Fixer):
         if data is None:
             return ""
         f = _File(data, "utils.py")
-        return "".join(f.text[slice(*f.extent(i))] for i in range(len(f.body))
-                       if f.module_import(i) or i in f.dsfix_statements())
+        ours = set(f.dsfix_statements())
+        return "".join(f.text[slice(*f.extent(i))] for i in range(len(f.body)) if f.module_import(i) or i in ours)
 
     def edited(self, data: bytes, target: Target, ctx: Context) -> bool:
         f = _File(data, target.rel)
