@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -228,9 +229,21 @@ def dtype_check(head: Header, cfg_dtype: Optional[str]) -> tuple[Check, Optional
     return Check("dtype", True, f"all floating tensors {name}{note}"), name
 
 
-def finite_check(folder: Path, head: Header, chunk_bytes: int = 64 * 2**20) -> Check:
-    """No floating tensor holds NaN or Inf. Each is read from its file a block of rows at a time (at most
-    ``chunk_bytes``) and checked by the save module's ``is_finite``: the first such tensor and how many."""
+BLOCK_BYTES = 64 * 2**20  # how much of a stored tensor the streamed checks read at a time
+
+
+def row_blocks(shape, chunk_bytes: int = BLOCK_BYTES):
+    """Slices of a stored tensor's rows (its first dimension), each block at most ``chunk_bytes`` (a row
+    counted at 8 bytes an element, the widest dtype): reading a tensor this way never holds it whole."""
+    row = max(1, math.prod(int(d) for d in shape[1:]) * 8)
+    step = max(1, chunk_bytes // row)
+    for start in range(0, shape[0], step):
+        yield slice(start, start + step)
+
+
+def finite_check(folder: Path, head: Header) -> Check:
+    """No floating tensor holds NaN or Inf. Each is read from its file a block of rows at a time
+    (:func:`row_blocks`) and checked by the save module's ``is_finite``: the first such tensor and how many."""
     from safetensors import safe_open
 
     from patcher.templates.dsfix_safetensors import is_finite
@@ -248,18 +261,9 @@ def finite_check(folder: Path, head: Header, chunk_bytes: int = 64 * 2**20) -> C
                     finite = is_finite(f.get_tensor(key))
                 else:
                     piece = f.get_slice(key)
-                    row = max(1, _numel(shape[1:]) * 8)  # bytes of a row, at most
-                    step = max(1, chunk_bytes // row)
-                    finite = all(is_finite(piece[start:start + step]) for start in range(0, shape[0], step))
+                    finite = all(is_finite(piece[rows]) for rows in row_blocks(shape))
                 if not finite:
                     bad.append(key)
     if bad:
         return Check("finite", False, f"{len(bad)} of {count} floating tensors hold NaN or Inf, the first {bad[0]}")
     return Check("finite", True, f"no NaN or Inf in {count} floating tensors")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from patcher.checkpoint.checks import Check, Header, examples, load_config, read_headers, shape_text, weight_files
+from patcher.checkpoint.checks import (
+    BLOCK_BYTES, Check, Header, examples, load_config, read_headers, row_blocks, shape_text, weight_files,
+)
 from patcher.checkpoint.verify import VerifyReport, expected_of, folder_kind, meta_model, same_bits
 from patcher.errors import DsfixError
 
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = BLOCK_BYTES
 
 
 class Row(NamedTuple):
@@ -181,16 +183,12 @@ def _compare_values(folder: Path, ref: Path, head: Header, ref_head: Header, pai
 def _values(fa, a: str, fb, b: str, shape: tuple, atol: float, rtol: float) -> tuple[Optional[float], bool]:
     """(the largest |difference|, None when bit-equal; whether every element is within the tolerance), a block
     of rows at a time."""
-    import torch
-
     if not shape or 0 in shape:
         return _block(fa.get_tensor(a), fb.get_tensor(b), atol, rtol)
     sa, sb = fa.get_slice(a), fb.get_slice(b)
-    row = max(1, int(torch.Size(shape[1:]).numel()) * 8)
-    step = max(1, CHUNK_BYTES // row)
     worst, close = None, True
-    for start in range(0, shape[0], step):
-        diff, ok = _block(sa[start:start + step], sb[start:start + step], atol, rtol)
+    for rows in row_blocks(shape, CHUNK_BYTES):
+        diff, ok = _block(sa[rows], sb[rows], atol, rtol)
         if diff is not None:
             worst = diff if worst is None else max(worst, diff)
         close = close and ok

@@ -26,7 +26,7 @@ from typing import Optional
 
 from patcher.checkpoint.checks import (
     CONFIG_NAME, INDEX_NAME, Check, Header, dtype_check, examples, finite_check, keys_check, load_config,
-    nonempty_check, read_headers, shape_text, shapes_check, weight_files,
+    nonempty_check, read_headers, row_blocks, shape_text, shapes_check, weight_files,
 )
 from patcher.errors import DsfixError, need_folder
 from patcher.report import Checks, Result, Verdict
@@ -301,7 +301,7 @@ def _tied_check(folder: Path, head: Header, tie_groups: list) -> Check:
     return Check("tied", True, examples(notes))
 
 
-def _equal_in_files(folder: Path, head: Header, a: str, b: str, chunk_bytes: int = 64 * 2**20) -> bool:
+def _equal_in_files(folder: Path, head: Header, a: str, b: str) -> bool:
     """torch.equal of two stored tensors, read a block of rows at a time (not two whole copies at once)."""
     import torch
     from safetensors import safe_open
@@ -313,10 +313,8 @@ def _equal_in_files(folder: Path, head: Header, a: str, b: str, chunk_bytes: int
         return torch.equal(_read_tensor(folder, file_a, a), _read_tensor(folder, file_b, b))
     with safe_open(str(folder / file_a), framework="pt") as fa, safe_open(str(folder / file_b), framework="pt") as fb:
         sa, sb = fa.get_slice(a), fb.get_slice(b)
-        row = max(1, int(torch.Size(shape[1:]).numel()) * 8)  # bytes of a row, at most
-        step = max(1, chunk_bytes // row)
-        for start in range(0, shape[0], step):
-            if not torch.equal(sa[start:start + step], sb[start:start + step]):
+        for rows in row_blocks(shape):
+            if not torch.equal(sa[rows], sb[rows]):
                 return False
     return True
 
