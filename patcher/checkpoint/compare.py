@@ -23,7 +23,7 @@ from patcher.checkpoint.checks import (
     BLOCK_BYTES, Check, Header, examples, load_config, read_headers, row_blocks, shape_text, weight_files,
 )
 from patcher.checkpoint.verify import VerifyReport, expected_of, folder_kind, meta_model, same_bits
-from patcher.errors import DsfixError
+from patcher.errors import DsfixError, refuse_file
 
 CHUNK_BYTES = BLOCK_BYTES
 
@@ -96,8 +96,7 @@ def _folder(path, what: str) -> Path:
     folder = Path(path)
     if not folder.exists():
         raise DsfixError(f"{what}: no such folder", path=str(path))
-    if not folder.is_dir():
-        raise DsfixError("is a file, not a folder; pass the folder that holds it", path=str(path))
+    refuse_file(folder)
     return folder
 
 

@@ -253,8 +253,8 @@ def _failed(plan: _Plan, strategy: str, checks=None) -> FolderResult:
 
 def _survey(folder: Path) -> _Plan:
     """What the folder holds, from its file names (no torch): the .bin files to convert, or why there is
-    nothing to convert. Raises DsfixError (code 2) on bad input."""
-    need_folder(folder)
+    nothing to convert (``folder``: ``convert``'s checked folder, or one of its model folders). Raises
+    DsfixError (code 2) on bad input."""
     st_name = next((n for n in (SINGLE_NAME, INDEX_NAME) if (folder / n).is_file()), None)
     if (folder / BIN_INDEX_NAME).is_file():
         source, sharded = _bin_shards(folder), True

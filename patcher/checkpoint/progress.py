@@ -78,11 +78,9 @@ class Progress:
     ``console``: rich's Console (stderr), or None for no progress at all. ``total``: bytes, for a bar;
     below ``min_total`` nothing is shown (a small job ends before a bar would help)."""
 
-    def __init__(self, console, title: str, *, total: int | None = None, min_total: int = 0,
-                 interval: float = INTERVAL, heartbeat: float = HEARTBEAT):
+    def __init__(self, console, title: str, *, total: int | None = None, min_total: int = 0):
         self.console, self.title, self.total = console, title, total
         self.shown = console is not None and (total is None or total >= min_total)
-        self.interval, self.heartbeat = interval, heartbeat
         self._bar = self._task = self._lines = self._thread = None
         self._stop = threading.Event()
 
@@ -92,7 +90,7 @@ class Progress:
         if getattr(self.console, "is_terminal", False):
             self._open_bar()
         else:
-            self._lines = Lines(self._print, self.title, self.total, self.interval, self.heartbeat)
+            self._lines = Lines(self._print, self.title, self.total)
             self._thread = threading.Thread(target=self._ticks, name="dsfix-progress", daemon=True)
             self._thread.start()
         return self
