@@ -139,17 +139,22 @@ def narrow_model(dtype="float32", seed=0):
 # --------------------------------------------------------------------------- the step-1-like trainer, launched
 
 
-def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils=None):
-    """deepspeed --num_gpus N train.py ...; returns (returncode, output). Kills the group on timeout."""
+def launch_ranks(script, args, nprocs: int = 2, env: dict | None = None):
+    """deepspeed --num_gpus N SCRIPT ARGS on CPU ranks (``env``: variables to add); returns (returncode, output).
+    Skips without the launcher; fails, having killed the group, when it runs past LAUNCH_TIMEOUT_S."""
     launcher = deepspeed_launcher()
     if launcher is None:
         pytest.skip("the deepspeed launcher is not installed")
-    cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(TRAINER),
-           "--utils", str(utils), "--output_dir", str(tmp_path / "out"),
-           "--reference_dir", str(tmp_path / "ref"), "--zero_stage", str(zero_stage)] + list(extra)
-    env = rank_env(nproc=nprocs)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    code, output = run_group(cmd, env, LAUNCH_TIMEOUT_S, cwd=str(REPO))
+    cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(script)] + [str(a) for a in args]
+    ranks = rank_env(nproc=nprocs)
+    ranks.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    code, output = run_group(cmd, ranks, LAUNCH_TIMEOUT_S, cwd=str(REPO))
     if code is None:
         pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
     return code, output
+
+
+def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils):
+    """deepspeed --num_gpus N train.py ... with the ``utils.py`` it saves through; returns (returncode, output)."""
+    return launch_ranks(TRAINER, ["--utils", utils, "--output_dir", tmp_path / "out", "--reference_dir",
+                                  tmp_path / "ref", "--zero_stage", zero_stage, *extra], nprocs)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from patchkit import CLEAN_ENV, FIXTURES, REPO, copy_fixture, snapshot
+from patchkit import CLEAN_ENV, FIXTURES, REPO, copy_fixture, run, snapshot
 from patcher.errors import AS_THEY_WERE, NOTHING_WRITTEN, ON_INTERRUPT
 from patcher.report import ErrorResult
 
@@ -24,10 +24,10 @@ NARROW = REPO / "fixtures" / "models" / "qwen3-narrow" / "config.json"
 
 def _stop(point: str, *args, tmp=None, expect_rc=130):
     """Run dsfix, stopped at ``point``; (the one stderr line, stdout)."""
-    env = {**CLEAN_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DSFIX_STOP_AT": point}
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DSFIX_STOP_AT": point}
     if tmp is not None:
         env["TMPDIR"] = str(tmp)
-    p = subprocess.run([sys.executable, "-m", "patcher", *map(str, args)], env=env, capture_output=True, timeout=600)
+    p = run(*args, env=env, timeout=600)
     text = p.stderr.decode()
     assert "Traceback" not in text, text[-3000:]
     lines = [line for line in text.splitlines() if line.startswith("dsfix: ")]  # progress lines are "dsfix smoke: "
@@ -47,7 +47,7 @@ def test_during_the_start_up_imports_the_json_is_the_error_result():
 
 
 def _apply(co):
-    p = subprocess.run([sys.executable, "-m", "patcher", "apply", str(co)], env=CLEAN_ENV, capture_output=True)
+    p = run("apply", co)
     assert p.returncode == 0, p.stderr
     return co
 

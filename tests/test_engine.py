@@ -464,25 +464,18 @@ def engine_checkpoints(tmp_path_factory, tiny_qwen3_helper):
     the LoRA runs (LORA_RUNS): ckpt/loraS and, in ckpt/loraS/hf, what step 1's patched save writes after fusing;
     then two layouts dsfix refuses: ckpt/muon (DeepSpeed's Muon optimizer, ZeRO-2) and ckpt/autotp (AutoTP, 2-way)."""
     pytest.importorskip("deepspeed")
-    from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group
-    from smokekit import LAUNCH_TIMEOUT_S, REPO, patched_checkout
+    from smokekit import REPO, launch_ranks, patched_checkout
 
-    launcher = deepspeed_launcher()
-    if launcher is None:
-        pytest.skip("the deepspeed launcher is not installed")
     base = tmp_path_factory.mktemp("engine-ckpt")
     utils = patched_checkout(base / "DeepSpeed-Chat") / "dschat" / "utils" / "utils.py"  # step 1's patched save
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "fixtures" / "step1_trainer" / "engine_ckpt.py"), "--output_dir", str(base / "ckpt"),
-           "--stages", "2,3", "--utils", str(utils), "--lora_runs", json.dumps(LORA_RUNS), "--unproven", "muon,autotp"]
-    env = rank_env(nproc=2)
     # TORCH_COMPILE_DISABLE: Muon's kernels run eagerly instead of being compiled first (minutes on a CPU);
     # the files saved are the same
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", TORCH_COMPILE_DISABLE="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
-    code, output = run_group(cmd, env, LAUNCH_TIMEOUT_S, cwd=str(REPO))
-    if code is None:
-        pytest.fail("the ranks ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
+    code, output = launch_ranks(
+        REPO / "fixtures" / "step1_trainer" / "engine_ckpt.py",
+        ["--output_dir", base / "ckpt", "--stages", "2,3", "--utils", utils, "--lora_runs", json.dumps(LORA_RUNS),
+         "--unproven", "muon,autotp"],
+        env={"TORCH_COMPILE_DISABLE": "1",
+             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert code == 0, output[-4000:]
 
     from transformers import GenerationConfig

@@ -19,9 +19,8 @@ pytestmark = pytest.mark.slow  # ranks
 
 pytest.importorskip("deepspeed")
 
-from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group  # noqa: E402
 from patcher.templates import dsfix_safetensors as M  # noqa: E402
-from smokekit import LAUNCH_TIMEOUT_S, REPO  # noqa: E402
+from smokekit import REPO, launch_ranks  # noqa: E402
 
 DRIVER = REPO / "tests" / "module_ranks.py"
 QWEN3_KEYS = 311
@@ -29,18 +28,8 @@ QWEN3_KEYS = 311
 
 def launch(work, zero_stage, steps, *extra):
     """deepspeed --num_gpus 2 module_ranks.py ...: (exit code, output)."""
-    launcher = deepspeed_launcher()
-    if launcher is None:
-        pytest.skip("the deepspeed launcher is not installed")
     work.mkdir(exist_ok=True)
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(DRIVER), "--work", str(work),
-           "--zero_stage", str(zero_stage), "--steps", ",".join(steps)] + list(extra)
-    env = rank_env(nproc=2)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    code, output = run_group(cmd, env, LAUNCH_TIMEOUT_S, cwd=str(REPO))
-    if code is None:
-        pytest.fail(f"deadlock? the launcher ran past {LAUNCH_TIMEOUT_S}s:\n{output[-4000:]}")
-    return code, output
+    return launch_ranks(DRIVER, ["--work", work, "--zero_stage", zero_stage, "--steps", ",".join(steps), *extra])
 
 
 def outcome(output, step, rank):
