@@ -23,6 +23,15 @@ MODULE_FUNCTIONS = {  # each save function -> the save module's function that ds
 }
 
 
+def ast_defined_name(stmt: ast.stmt) -> str | None:
+    """The name a top-level ``ast`` statement defines (a function, a class, ``NAME = ...``, ``NAME: T = ...``),
+    else None; ``fixers.base.defined_name`` reads the same from a libcst statement."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return stmt.name
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+    return targets[0].id if len(targets) == 1 and isinstance(targets[0], ast.Name) else None
+
+
 def is_dsfix_name(name: str) -> bool:
     """Top-level names that belong to what dsfix inserts, in any template version (the wrappers of v4, and
     the inline blocks of v2 and v3 with their ``_dsfix_`` helpers and ``_Dsfix`` classes)."""

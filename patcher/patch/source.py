@@ -35,15 +35,11 @@ def decode(data: bytes) -> Decoded:
 
 
 @functools.lru_cache(maxsize=8)
-def _parse(data: bytes) -> tuple:
-    decoded = decode(data)
-    return ast.parse(decoded.text), decoded
-
-
 def parse(data: bytes) -> tuple:
     """(ast tree, Decoded) of a file's bytes, decoded by its own declaration (PEP 263, BOM). Raises SyntaxError,
     or what ``decode`` raises. Cached: locating and planning read the same script; the tree is only read."""
-    return _parse(data)
+    decoded = decode(data)
+    return ast.parse(decoded.text), decoded
 
 
 def parse_script(data: bytes, rel: str) -> tuple:
@@ -70,11 +66,7 @@ def parse_cst(data: bytes, rel: str) -> cst.Module:
 
 def render(module: cst.Module, rel: str) -> bytes:
     """The module's bytes in its own encoding."""
-    try:
-        return module.bytes
-    except UnicodeEncodeError as e:
-        raise DsfixError(f"the new code cannot be written in this file's encoding ({module.encoding}): {e}",
-                         path=rel) from None
+    return encode(module.code, module.encoding, rel)
 
 
 def encode(text: str, encoding: str, rel: str) -> bytes:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from patcher.errors import DsfixError
 from patcher.patch.imports import ImportSpec
-from patcher.patch.names import SAVE_MODULE_FILE, is_dsfix_name
+from patcher.patch.names import SAVE_MODULE_FILE, ast_defined_name, is_dsfix_name
 from patcher.resources import resource_path
 
 TEMPLATE_FILE = SAVE_MODULE_FILE
@@ -89,7 +89,7 @@ def parse_template(source: str, path: Path = Path(LOADER_FILE)) -> Template:
         elif isinstance(stmt, ast.ImportFrom):
             imports += [ImportSpec(stmt.module, a.name) for a in stmt.names]
         elif not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and first is None):
-            name = _ast_name(stmt)
+            name = ast_defined_name(stmt)
             if name is None or not is_dsfix_name(name):
                 raise DsfixError(f"template statement at line {stmt.lineno} defines {name!r}, which is not a dsfix "
                                  "name", path=str(path))
@@ -102,13 +102,3 @@ def parse_template(source: str, path: Path = Path(LOADER_FILE)) -> Template:
     while start > 0 and lines[start - 1].lstrip().startswith("#"):
         start -= 1  # the comment right above the first statement goes in with it
     return Template(version=version, imports=tuple(imports), body="".join(lines[start:]), path=path)
-
-
-def _ast_name(stmt) -> str | None:
-    if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
-        return stmt.name
-    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-        return stmt.targets[0].id
-    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-        return stmt.target.id
-    return None

@@ -24,10 +24,13 @@ import libcst as cst
 
 from patcher.errors import DsfixError
 from patcher.patch import calls, imports, signature
-from patcher.patch.fixers.base import (PLACEHOLDER, Context, Fixer, Patched, Target, in_style, make_marker, parse_marker,
-                                       put_block)
+from patcher.patch.fixers.base import (
+    PLACEHOLDER, Context, Fixer, Patched, Target, in_style, make_marker, parse_marker, put_block,
+)
 from patcher.patch.imports import ImportSpec
-from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, is_dsfix_name
+from patcher.patch.names import (
+    PUBLIC_NAMES, SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, ast_defined_name, is_dsfix_name,
+)
 from patcher.patch.source import Source, encode, newline_of, parse_script
 from patcher.patch.template import module_version
 
@@ -102,7 +105,7 @@ class _File:
         return _FORMS.get(" ".join(self.segment(i).split()))
 
     def dsfix_statements(self) -> list:
-        return [i for i, s in enumerate(self.body) if is_dsfix_name(_defined(s) or "")]
+        return [i for i, s in enumerate(self.body) if is_dsfix_name(ast_defined_name(s) or "")]
 
     def default_indent(self) -> str:
         """The file's indentation, as libcst infers it: its first indented block's."""
@@ -113,14 +116,6 @@ class _File:
         except (tokenize.TokenError, SyntaxError):  # pragma: no cover - the file parsed already
             pass
         return "    "
-
-
-def _defined(stmt) -> str | None:
-    """The name a top-level statement defines (a function, a class, ``NAME = ...``), else None."""
-    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return stmt.name
-    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
-    return targets[0].id if len(targets) == 1 and isinstance(targets[0], ast.Name) else None
 
 
 def _spliced(text: str, edits: list) -> str:
@@ -260,7 +255,7 @@ class UtilsFixer(Fixer):
             raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
         ctx.defs = signature.find_defs(data, rel)
         notes = [n for d in ctx.defs.values() for n in d.notes] if not patched.marker else []
-        hand = [_defined(f.body[i]) for i in f.dsfix_statements()]
+        hand = [ast_defined_name(f.body[i]) for i in f.dsfix_statements()]
         if hand:  # a hand-written copy (the widely copied fix): the wrappers take its place; imports it alone read go
             marked = PLACEHOLDER in f.text
             cut = f.again(_spliced(f.text, _cut(f, f.dsfix_statements(), not marked)))
