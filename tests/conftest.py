@@ -51,6 +51,25 @@ def pytest_ignore_collect(collection_path, config):
     return None if wanted else True
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="run the extended tier alone (tests marked `extended`: the full fault sweep, the real "
+                          "Trainer and accelerate runs, the device check on the CPU); .ci/run runs it after the "
+                          "main suite")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Two tiers that never overlap: the main suite (`python -m pytest -q`) leaves out the tests marked
+    ``extended``, and ``--extended`` runs those alone."""
+    extended = config.getoption("--extended")
+    keep, drop = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("extended") is not None) == extended else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def _load_tiny_qwen3_helper():
     spec = importlib.util.spec_from_file_location("dsfix_fixture_tiny_qwen3", TINY_QWEN3_HELPER)
     module = importlib.util.module_from_spec(spec)
