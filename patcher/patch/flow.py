@@ -14,6 +14,7 @@ from patcher.patch.diff import stat, unified_diff
 from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch.locate import Checkout, chat_roots_below, find_checkout, find_patched, layout_of
 from patcher.patch.plan import Status, Target
+from patcher.patch.source import Unreadable
 from patcher.patch.template import check_strategy
 from patcher.report import Result
 
@@ -188,6 +189,8 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
         try:
             co = find_checkout(repo, main, scripts)
             root = co.root
+        except Unreadable:  # a step script that does not parse: what it calls is unknown, nothing to decide
+            raise
         except DsfixError as e:  # a layout only --main could name, say: the files still tell what dsfix changed
             not_a_checkout = e
             root = Path(repo).resolve()
