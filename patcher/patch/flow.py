@@ -208,6 +208,7 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
                 raise not_a_checkout
         order = planner.revert_targets(saved, found)
         targets = [Target.of_role(rel, role, _maybe_read(root / rel, rel), modules) for rel, role, modules in order]
+        st.clear_temps(root / t.rel for t in targets)  # a killed apply's, which nothing else would remove
         plan = planner.plan_revert(targets, saved, force)
         layout = layout_of(saved, co)
         out = Outcome("revert", root, layout)

@@ -1,0 +1,100 @@
+"""The fault sweep (issue 33; docs/faults.md): every filesystem call of apply, revert, revert --force, convert
+of a .bin folder, engine convert and smoke --keep, failed once with each errno and killed once, with nothing
+lost (tests/sweepkit.py says what each trial checks).
+
+The main suite runs a fast subset (a few calls of each kind, EIO, and a kill through a real ``python -m
+patcher`` process); the full sweep is in the extended tier (``python -m pytest -q --extended``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from faultkit import KINDS, hook_env, read_record, snapshot
+from patchkit import FIXTURES, cli, run
+from sweepkit import Op, Sweep, cli_json
+
+UTILS = "dschat/utils/utils.py"
+MAIN = "training/step1_supervised_finetuning/main.py"
+# the patch side's own leftovers, which its next run removes: temporary files beside a target, state folders
+# moved aside or half-built (patch/state.py: recover, _write_temp)
+PATCH_LEFTOVERS = r"(^|/)\.[^/]+\.\d+\.dsfix-tmp$|(^|/)\.dsfix\.(new|old|gone)-\d+(/|$)"
+
+
+def _checkout(folder, applied=False, edited=False):
+    co = folder / "package"
+    shutil.copytree(FIXTURES / "package", co)
+    if applied:
+        assert cli("apply", co)[0] == 0
+    if edited:  # an edit after apply where dsfix changed the file: revert refuses, --force keeps it aside
+        data = (co / UTILS).read_bytes()
+        (co / UTILS).write_bytes(data.replace(b'strategy="clone", max', b'strategy="clone",  max', 1))
+    return co
+
+
+PATCH_OPS = {
+    "apply": Op("apply", lambda d: _checkout(d), lambda co: cli_json("apply", co),
+                undo=lambda co: cli_json("revert", co), leftover=PATCH_LEFTOVERS),
+    "revert": Op("revert", lambda d: _checkout(d, applied=True), lambda co: cli_json("revert", co),
+                 leftover=PATCH_LEFTOVERS),
+    "revert --force": Op("revert --force", lambda d: _checkout(d, applied=True, edited=True),
+                         lambda co: cli_json("revert", "--force", co), leftover=PATCH_LEFTOVERS),
+}
+
+
+def _firsts(calls, every=("rename",)):
+    """The fast subset: the first call of each kind, every call of the kinds ``every`` (the renames: where a
+    commit puts things in place, and where the bugs the full sweep found were), and the last call."""
+    seen, points = set(), []
+    for n, call in enumerate(calls):
+        if call.kind not in seen or call.kind in every:
+            seen.add(call.kind)
+            points.append(n)
+    return sorted(set(points) | {len(calls) - 1})
+
+
+def _report(out):
+    assert not out.problems, "\n".join(out.problems[:20]) + f"\n({len(out.problems)} problems)"
+
+
+# ----------------------------------------------------------------------------- the patch side
+
+
+@pytest.mark.parametrize("name", sorted(PATCH_OPS))
+def test_patch_verbs_fast_subset(tmp_path, name):
+    """The first call of each kind, every rename and the last call, failing with EIO, and a kill before each."""
+    sweep = Sweep(PATCH_OPS[name], tmp_path)
+    out = sweep.run(_firsts(sweep.calls), errors=lambda kind: ("EIO",))
+    _report(out)
+    assert out.failed and out.killed
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("name", sorted(PATCH_OPS))
+def test_patch_verbs_every_call(tmp_path, name):
+    sweep = Sweep(PATCH_OPS[name], tmp_path)
+    out = sweep.run()
+    _report(out)
+    print(f"{name}: {len(sweep.calls)} calls, {out.failed} failed, {out.survived} survived, {out.killed} killed")
+
+
+@pytest.mark.slow
+def test_a_kill_in_a_real_dsfix_process_and_apply_again(tmp_path):
+    """The same kill through the start-up hook, in a real ``python -m patcher apply`` (not a fork): before the
+    rename of utils.py into place, then a second apply finishes and revert gives every byte back."""
+    co = _checkout(tmp_path)
+    before = snapshot(co)
+    record = tmp_path / "calls.jsonl"
+    assert run("apply", co, env=hook_env([co], record=record)).returncode == 0
+    calls = read_record(record)
+    assert {c.kind for c in calls} <= set(KINDS)
+    after = snapshot(co)
+    assert cli("revert", co)[0] == 0 and snapshot(co) == before
+    at = next(n for n, c in enumerate(calls) if c.kind == "rename" and c.path.endswith("utils.py"))
+    p = run("apply", co, env=hook_env([co], kill_at=at))
+    assert p.returncode == -9, p.stderr
+    assert snapshot(co)[UTILS] == before[UTILS] and os.path.exists(co / "dschat/utils/dsfix_safetensors.py")
+    assert run("apply", co).returncode == 0 and snapshot(co) == after
+    assert run("revert", co).returncode == 0 and snapshot(co) == before
