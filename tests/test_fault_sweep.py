@@ -98,3 +98,58 @@ def test_a_kill_in_a_real_dsfix_process_and_apply_again(tmp_path):
     assert snapshot(co)[UTILS] == before[UTILS] and os.path.exists(co / "dschat/utils/dsfix_safetensors.py")
     assert run("apply", co).returncode == 0 and snapshot(co) == after
     assert run("revert", co).returncode == 0 and snapshot(co) == before
+
+
+# ----------------------------------------------------------------------------- the torch side
+
+
+def _bin_folder(folder, zero3=False):
+    """A step-1 output of the narrow Qwen3 as upstream's unpatched save writes it: pytorch_model.bin (the state
+    dict; ``zero3``: named_parameters(), the tied lm_head left out) and config.json."""
+    import torch
+
+    from smokekit import narrow_model
+
+    out = folder / "step1"
+    out.mkdir()
+    model = narrow_model("float32", seed=0)
+    state = {k: p.detach().clone() for k, p in model.named_parameters()} if zero3 else model.state_dict()
+    torch.save(state, str(out / "pytorch_model.bin"))
+    model.config.to_json_file(str(out / "config.json"))
+    return out
+
+
+def _save_file_as_a_write():
+    """safetensors' save_file writes from Rust: faultkit counts it as one write call (``also``)."""
+    import safetensors.torch
+
+    return [(safetensors.torch, "save_file", "write")]
+
+
+def convert_op(load=True):
+    args = () if load else ("--no-load",)
+    return Op("convert", _bin_folder, lambda folder: cli_json("convert", folder, *args),
+              leftover=r"(^|/)\.dsfix-convert-", also=_save_file_as_a_write())
+
+
+def _commit_points(calls):
+    """The torch side's fast subset: the first call, every rename (where the new files go into place) and the
+    last call."""
+    return sorted({0, len(calls) - 1} | {n for n, c in enumerate(calls) if c.kind == "rename"})
+
+
+@pytest.mark.slow
+def test_convert_fast_subset(tmp_path):
+    """convert runs with --no-load here and in the full sweep: the load is a read of the staged folder between
+    the writes, which makes no call and costs a model build a trial."""
+    sweep = Sweep(convert_op(load=False), tmp_path)
+    out = sweep.run(_commit_points(sweep.calls), errors=lambda kind: ("EIO",))
+    _report(out)
+
+
+@pytest.mark.extended
+def test_convert_every_call(tmp_path):
+    sweep = Sweep(convert_op(load=False), tmp_path)
+    out = sweep.run()
+    _report(out)
+    print(f"convert: {len(sweep.calls)} calls, {out.failed} failed, {out.survived} survived, {out.killed} killed")
