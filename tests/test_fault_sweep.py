@@ -14,7 +14,7 @@ import pytest
 
 from faultkit import KINDS, hook_env, read_record, snapshot
 from patchkit import FIXTURES, cli, run
-from sweepkit import Op, Sweep, cli_json
+from sweepkit import Op, Sweep, call_sites, cli_json, engine_op
 
 UTILS = "dschat/utils/utils.py"
 MAIN = "training/step1_supervised_finetuning/main.py"
@@ -153,3 +153,47 @@ def test_convert_every_call(tmp_path):
     out = sweep.run()
     _report(out)
     print(f"convert: {len(sweep.calls)} calls, {out.failed} failed, {out.survived} survived, {out.killed} killed")
+
+
+@pytest.fixture(scope="module")
+def engine_checkpoint(request, tmp_path_factory):
+    """The ZeRO-3 engine checkpoint of the narrow Qwen3 that the main suite's test_engine.py made and kept in
+    pytest's cache (tests/sweepkit.py: keep_checkpoint); where this session runs without that (the extended
+    tier alone, on a fresh clone), one launch of 2 CPU ranks makes it, ZeRO-3 only."""
+    pytest.importorskip("deepspeed")
+    from sweepkit import keep_checkpoint, kept_checkpoint
+
+    kept = kept_checkpoint(request.config.cache)
+    if kept is not None:
+        return kept
+    from smokekit import REPO, launch_ranks
+
+    base = tmp_path_factory.mktemp("engine-ckpt")
+    code, output = launch_ranks(REPO / "fixtures" / "step1_trainer" / "engine_ckpt.py",
+                                ["--output_dir", base / "ckpt", "--stages", "3", "--no_reference"],
+                                env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    assert code == 0, output[-4000:]
+    from transformers import GenerationConfig
+
+    helper = request.getfixturevalue("tiny_qwen3_helper")
+    model_dir = base / "model"
+    config = helper.tiny_qwen3_config()
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(str(model_dir))
+    GenerationConfig(max_new_tokens=8).save_pretrained(str(model_dir))
+    helper.tiny_qwen3_tokenizer().save_pretrained(str(model_dir))
+    keep_checkpoint(request.config.cache, base / "ckpt" / "zero3", model_dir)
+    return base / "ckpt" / "zero3", model_dir
+
+
+@pytest.mark.extended
+def test_engine_convert_every_call_site(engine_checkpoint, tmp_path):
+    """Every call site (tests/sweepkit.py: call_sites; of 658 calls, 622 are pwrites of tensor pieces through one
+    line), each errno, and a kill before each; DSFIX_SWEEP_EVERY_CALL=1 runs every call instead."""
+    sweep = Sweep(engine_op(*engine_checkpoint), tmp_path)
+    points = None if os.environ.get("DSFIX_SWEEP_EVERY_CALL") else call_sites(sweep.calls)
+    out = sweep.run(points)
+    _report(out)
+    print(f"engine convert: {len(sweep.calls)} calls, {len(points or sweep.calls)} swept, {out.failed} failed, "
+          f"{out.survived} survived, {out.killed} killed")
