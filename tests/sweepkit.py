@@ -54,6 +54,32 @@ class Outcome:
     problems: list = field(default_factory=list)
 
 
+def _after_fork() -> None:
+    """In a forked child: torch's OpenMP pool is the parent's, whose threads the child lacks (GNU OpenMP waits
+    for them forever); one thread, as DataLoader's workers do. Only the child's compute changes."""
+    import sys
+
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+class _OneThread:
+    """torch on one thread while a sweep records or fails calls in this process, as in its forked children
+    (``_after_fork``): the calls of a save that writes from a pool of threads are then the same everywhere."""
+
+    def __enter__(self):
+        import sys
+
+        self.torch = sys.modules.get("torch")
+        if self.torch is not None:
+            self.before = self.torch.get_num_threads()
+            self.torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.torch is not None:
+            self.torch.set_num_threads(self.before)
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst
@@ -80,7 +106,7 @@ class Sweep:
         self.before = snapshot(self.pristine)
         self._n = 0
         work = self._fresh("record")
-        with Faults(roots=self.op.watch(work / self.root_rel), also=op.also) as rec:
+        with _OneThread(), Faults(roots=self.op.watch(work / self.root_rel), also=op.also) as rec:
             code, result, err = op.run(work / self.root_rel)
         assert code == 0, (op.name, code, err)
         self.calls = rec.calls
@@ -95,7 +121,7 @@ class Sweep:
     def fail(self, n: int, error: str, out: Outcome) -> None:
         op, work = self.op, self._fresh(f"fail{n}-{error}")
         root = work / self.root_rel
-        with Faults(roots=op.watch(root), fail_at=n, error=error, also=op.also) as f:
+        with _OneThread(), Faults(roots=op.watch(root), fail_at=n, error=error, also=op.also) as f:
             code, result, err = op.run(root)
         where = f"{op.name}: call {n} ({self.calls[n]}) failing with {error}"
         assert f.failed is not None, f"{where}: never reached (the calls differ from the recording's)"
@@ -138,6 +164,7 @@ class Sweep:
         pid = os.fork()
         if pid == 0:  # the child: the faults, the operation, and never back into pytest
             try:
+                _after_fork()
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
                 os.dup2(devnull, 2)

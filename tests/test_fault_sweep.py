@@ -44,15 +44,10 @@ PATCH_OPS = {
 }
 
 
-def _firsts(calls, every=("rename",)):
-    """The fast subset: the first call of each kind, every call of the kinds ``every`` (the renames: where a
-    commit puts things in place, and where the bugs the full sweep found were), and the last call."""
-    seen, points = set(), []
-    for n, call in enumerate(calls):
-        if call.kind not in seen or call.kind in every:
-            seen.add(call.kind)
-            points.append(n)
-    return sorted(set(points) | {len(calls) - 1})
+def _commit_points(calls):
+    """The fast subset: the first call, every rename (where a commit puts things in place, and where the bugs
+    the full sweep found were) and the last call."""
+    return sorted({0, len(calls) - 1} | {n for n, c in enumerate(calls) if c.kind == "rename"})
 
 
 def _report(out):
@@ -64,9 +59,9 @@ def _report(out):
 
 @pytest.mark.parametrize("name", sorted(PATCH_OPS))
 def test_patch_verbs_fast_subset(tmp_path, name):
-    """The first call of each kind, every rename and the last call, failing with EIO, and a kill before each."""
+    """The first call, every rename and the last call, failing with EIO, and a kill before each."""
     sweep = Sweep(PATCH_OPS[name], tmp_path)
-    out = sweep.run(_firsts(sweep.calls), errors=lambda kind: ("EIO",))
+    out = sweep.run(_commit_points(sweep.calls), errors=lambda kind: ("EIO",))
     _report(out)
     assert out.failed and out.killed
 
@@ -130,12 +125,6 @@ def convert_op(load=True):
     args = () if load else ("--no-load",)
     return Op("convert", _bin_folder, lambda folder: cli_json("convert", folder, *args),
               leftover=r"(^|/)\.dsfix-convert-", also=_save_file_as_a_write())
-
-
-def _commit_points(calls):
-    """The torch side's fast subset: the first call, every rename (where the new files go into place) and the
-    last call."""
-    return sorted({0, len(calls) - 1} | {n for n, c in enumerate(calls) if c.kind == "rename"})
 
 
 @pytest.mark.slow
