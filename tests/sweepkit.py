@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from faultkit import ERRNOS, Faults, snapshot
+from faultkit import ERRNOS, Call, Faults, snapshot
 
 
 @dataclass
@@ -61,6 +61,8 @@ def _after_fork() -> None:
 
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
+    else:  # imported later, in this child: one thread from the start, so that its own children can fork too
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 class _OneThread:
@@ -157,7 +159,7 @@ class Sweep:
             out.problems.append(f"{where}: " + "; ".join(problems))
 
     # -- (b) ------------------------------------------------------------------------------------------------
-    def kill(self, n: int, out: Outcome) -> None:
+    def kill(self, n: int, out: Outcome, undo: bool = True) -> None:
         op, work = self.op, self._fresh(f"kill{n}")
         root = work / self.root_rel
         where = f"{op.name}: killed before call {n} ({self.calls[n]})"
@@ -182,7 +184,7 @@ class Sweep:
                 if not re.search(op.leftover, rel) and now.get(rel) not in (self.before.get(rel), self.after.get(rel))]
         if torn:
             out.problems.append(f"{where}: neither old nor new: {sorted(torn)[:6]}")
-        if op.undo is not None:
+        if op.undo is not None and undo:
             twin = _copy(work, self.base / f"undo{n}")
             code, _, err = op.undo(twin / self.root_rel)
             if code != 0 or snapshot(twin) != self.before:
@@ -197,14 +199,16 @@ class Sweep:
             out.problems.append(f"{where}: running it again (exit {code}) did not end in the new state "
                                 f"(differing: {left[:6]}): {one_line(err)!r}")
 
-    def run(self, points: Optional[list] = None, errors: Optional[Callable] = None, kill: bool = True) -> Outcome:
-        """Every call (or ``points``), each errno of its kind (or ``errors(kind)``), and a kill before each."""
+    def run(self, points: Optional[list] = None, errors: Optional[Callable] = None, kill: bool = True,
+            undo_at: Optional[set] = None) -> Outcome:
+        """Every call (or ``points``), each errno of its kind (or ``errors(kind)``), and a kill before each;
+        after a kill, ``undo`` too where the operation has one (at the calls ``undo_at`` only, when given)."""
         out = Outcome(self.calls)
         for n in (range(len(self.calls)) if points is None else points):
             for error in (ERRNOS[self.calls[n].kind] if errors is None else errors(self.calls[n].kind)):
                 self.fail(n, error, out)
             if kill:
-                self.kill(n, out)
+                self.kill(n, out, undo=undo_at is None or n in undo_at)
             for p in self.base.glob(f"*{n}*"):  # keep the disk small: a trial's copy is done with
                 if p.name.startswith(("fail", "kill")) and p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)
@@ -292,3 +296,88 @@ def kept_checkpoint(cache) -> Optional[tuple]:
     if stamp.exists() and stamp.read_text() == checkpoint_stamp():
         return folder / "ckpt", folder / "model"
     return None
+
+
+def fork_at(module, point: str, roots: list, trials: Callable, run: Callable[[], tuple], between: Callable[[], None],
+            check: Callable) -> list:
+    """The sweep of an operation whose start is expensive (smoke: a model built and trained once): a child of
+    this process runs it, counting calls, up to the named stop point ``point`` (patcher.errors.stop_point, as
+    ``module`` calls it) and there forks one grandchild per trial, which goes on with its fault armed. The
+    first grandchild runs without one (the recording); ``trials(calls, before)`` then gives the trials from its
+    calls (``before``: how many came before the point): (N, errno name) fails call N, (N, None) kills before it.
+    ``between()`` puts the folders back as they were at the point before each trial (its calls not counted);
+    ``check(trial, status, outcome)`` runs in the child after each (outcome: the grandchild's (exit code,
+    JSON, stderr, whether the fault fired, its calls), None when killed) and returns problems.
+    Returns [the recorded calls, problems...]."""
+    import pickle
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".sweep")
+    os.close(fd)
+    pid = os.fork()
+    if pid == 0:  # the child: it never returns into pytest
+        _after_fork()
+        problems, state = [None], {"trial": None, "faults": None}
+        real = module.stop_point
+        try:
+            def stop_point(name):
+                real(name)
+                if name != point or state["trial"] is not None:
+                    return
+                faults = state["faults"]
+                queue, recording, before = [("record", None)], None, len(faults.calls)
+                while queue:
+                    trial = queue.pop(0)
+                    roots, faults.roots = faults.roots, []  # between() is the test's: not counted
+                    between()
+                    faults.roots = roots
+                    del faults.calls[before:]
+                    out_path = f"{path}.{trial[0]}-{trial[1]}"
+                    grandchild = os.fork()
+                    if grandchild == 0:
+                        state["trial"], state["out"] = trial, out_path
+                        n, error = trial
+                        if n != "record" and error is None:
+                            faults.kill_at = n
+                        elif n != "record":
+                            faults.fail_at, faults.error = n, getattr(errno_codes, error)
+                        return  # on with the operation, in the grandchild
+                    _, status = os.waitpid(grandchild, 0)
+                    outcome = None
+                    if os.path.exists(out_path):
+                        with open(out_path, "rb") as handle:
+                            outcome = pickle.load(handle)
+                        os.unlink(out_path)
+                    if recording is None:
+                        recording = [Call(*c) for c in outcome[4]] if outcome else []
+                        problems[0] = recording
+                        queue = list(trials(recording, before))
+                    problems.extend(check(trial, status, outcome))
+                with open(path, "wb") as handle:
+                    pickle.dump(problems, handle)
+                os._exit(0)
+
+            module.stop_point = stop_point
+            with Faults(roots=roots) as faults:
+                state["faults"] = faults
+                outcome = run()
+            if state["trial"] is not None:  # a grandchild whose operation ended
+                outcome = (*outcome, faults.failed is not None, [tuple(c) for c in faults.calls])
+                with open(state["out"], "wb") as handle:
+                    pickle.dump(outcome, handle)
+                os._exit(0)
+            problems.append(f"{point} was never reached: {outcome}")
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            if state["trial"] is not None:
+                os._exit(98)
+            problems.append(f"the sweep's child failed: {type(e).__name__}: {e}")
+        finally:
+            if state["trial"] is None:
+                with open(path, "wb") as handle:
+                    pickle.dump(problems, handle)
+            os._exit(0)
+    os.waitpid(pid, 0)
+    with open(path, "rb") as handle:
+        problems = pickle.load(handle)
+    os.unlink(path)
+    return problems

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from faultkit import KINDS, hook_env, read_record, snapshot
+from faultkit import ERRNOS, KINDS, hook_env, read_record, snapshot
 from patchkit import FIXTURES, cli, run
 from sweepkit import Op, Sweep, call_sites, cli_json, engine_op
 
@@ -70,7 +70,7 @@ def test_patch_verbs_fast_subset(tmp_path, name):
 @pytest.mark.parametrize("name", sorted(PATCH_OPS))
 def test_patch_verbs_every_call(tmp_path, name):
     sweep = Sweep(PATCH_OPS[name], tmp_path)
-    out = sweep.run()
+    out = sweep.run(undo_at=set(_commit_points(sweep.calls)))  # every kill is run again; reverted at commit points
     _report(out)
     print(f"{name}: {len(sweep.calls)} calls, {out.failed} failed, {out.survived} survived, {out.killed} killed")
 
@@ -186,3 +186,174 @@ def test_engine_convert_every_call_site(engine_checkpoint, tmp_path):
     _report(out)
     print(f"engine convert: {len(sweep.calls)} calls, {len(points or sweep.calls)} swept, {out.failed} failed, "
           f"{out.survived} survived, {out.killed} killed")
+
+
+SMOKE_CONFIG = FIXTURES.parent.parent / "fixtures" / "models" / "qwen3-narrow" / "config.json"
+SAVE_LEFTOVERS = r"(^|/)\.dsfix-save-\d+(/|$)|(^|/)\.dsfix-smoke-running$"  # the next save, the next smoke clear them
+
+
+def _smoke_sweep(tmp_path, choose, errors, full_reruns=1):
+    """smoke --keep runs/kept on the patched package checkout, the narrow Qwen3: one child builds and trains the
+    model once and forks a trial at the save (sweepkit.fork_at). Returns the problems."""
+    import re
+
+    import patcher.checkpoint.smoke as smoke
+    from sweepkit import fork_at, one_line
+
+    co = _checkout(tmp_path / "co")
+    assert cli("apply", co)[0] == 0
+    runs, tmp = tmp_path / "runs", tmp_path / "tmp"
+    runs.mkdir()
+    tmp.mkdir()
+    (runs / "notes.txt").write_text("a file of the user's beside the kept folder\n")
+    before = snapshot(runs)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    seen = {}
+
+    def between():  # the folders as they were at the save: the kept folder smoke made, its work folder
+        for live, kept in ((runs, tmp_path / "runs-at-save"), (tmp, tmp_path / "tmp-at-save")):
+            if not kept.exists():
+                shutil.copytree(live, kept, symlinks=True)
+            shutil.rmtree(live)
+            shutil.copytree(kept, live, symlinks=True)
+
+    def trials(calls, first):
+        seen["calls"] = calls
+        points = [n for n in choose(calls) if n >= first]
+        return [(n, e) for n in points for e in errors(calls[n][0])] + [(n, None) for n in points]
+
+    def check(trial, status, outcome):
+        now = snapshot(runs)
+        n, error = trial
+        if n == "record":
+            seen["after"] = now
+            with open(tmp_path / "after.pickle", "wb") as handle:
+                pickle.dump(now, handle)
+            return [] if outcome and outcome[0] == 0 else [f"the recording failed: {outcome and outcome[2][-500:]}"]
+        after, call = seen["after"], seen["calls"][n]
+        where = f"smoke --keep: call {n} ({call[0]} {call[1]} {call[2].split('/runs/')[-1]})"
+        whole = [rel for rel in now if not re.search(SAVE_LEFTOVERS, rel) and not rel.startswith("kept/dsfix-fallback")
+                 and now[rel] != after.get(rel, now[rel] if rel in before else None)]
+        if error is None:
+            shutil.copytree(runs, killed / str(n), symlinks=True)
+            bad = [] if os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9 else [f"not killed ({status})"]
+            return [f"{where} killed: " + "; ".join(bad + [f"torn: {whole}"] * bool(whole))] if bad or whole else []
+        where += f" failing with {error}"
+        if outcome is None:
+            return [f"{where}: the trial ended without an outcome (status {status})"]
+        code, result, err, failed, _ = outcome
+        problems = [] if failed else ["the call was never reached"]
+        if code == 0:  # a marker left (its unlink failed) is one the next smoke clears by itself
+            same = {k: v for k, v in now.items() if not re.search(SAVE_LEFTOVERS, k)} == after
+            problems += [] if same else ["exit 0 but not the complete saved folder"]
+        elif code == 1:
+            save = next((c for c in (result or {}).get("checks", ()) if c["name"] == "save"), None)
+            text = os.strerror(getattr(errno_codes, error))
+            if save is None or save["ok"] or text not in save["detail"] or "/" not in save["detail"]:
+                problems.append(f"the save check does not name the cause and the path: {save}")
+            left = [rel for rel in now if re.search(SAVE_LEFTOVERS, rel)]
+            problems += [f"left {left}"] * bool(left) + [f"torn or changed: {whole}"] * bool(whole)
+        else:
+            problems.append(f"exit {code}: {one_line(err)!r}")
+        return [f"{where}: " + "; ".join(problems)] if problems else [f"OUTCOME exit {code}"]
+
+    import errno as errno_codes
+    import pickle
+    import tempfile
+
+    real_tempdir, tempfile.tempdir = tempfile.tempdir, str(tmp)
+    try:
+        out = fork_at(smoke, "smoke.save", [runs], trials, lambda: cli_json(
+            "smoke", co, "--config", SMOKE_CONFIG, "--keep", runs / "kept"), between, check)
+    finally:
+        tempfile.tempdir = real_tempdir
+    if not (tmp_path / "after.pickle").exists():
+        return out[0] or [], [f"the recording did not end: {out[1:]}"]
+    with open(tmp_path / "after.pickle", "rb") as handle:
+        after = pickle.load(handle)
+    outcomes = [p for p in out[1:] if p and p.startswith("OUTCOME ")]
+    problems = [p for p in out[1:] if p and not p.startswith("OUTCOME ")]
+    print(f"smoke --keep (a): {outcomes.count('OUTCOME exit 1')} failed, {outcomes.count('OUTCOME exit 0')} succeeded")
+    problems += _after_kills(killed, co, before, after, full_reruns)
+    return out[0] or [], problems
+
+
+def _after_kills(killed, co, before, after, full_reruns):
+    """What the next smoke does with the folder a killed one left (its process is gone now): it takes it for
+    a killed smoke's, starts from it empty, and (``full_reruns`` of them, the latest kills) ends complete."""
+    import patcher.checkpoint.smoke as smoke
+
+    problems = []
+    for i, copy in enumerate(sorted(killed.iterdir(), key=lambda p: -int(p.name))):
+        kept = copy / "kept"
+        if i < full_reruns:
+            code, _, err = cli_json("smoke", co, "--config", SMOKE_CONFIG, "--keep", kept)
+            if code != 0 or snapshot(copy) != after:
+                problems.append(f"smoke --keep: killed before call {copy.name}: a new smoke (exit {code}) did not end "
+                                f"complete: {err.strip()[-300:]}")
+            continue
+        try:
+            smoke._check_keep(kept)
+            with smoke._out_folder(kept):
+                pass
+        except Exception as e:  # noqa: BLE001 - reported
+            problems.append(f"smoke --keep: killed before call {copy.name}: the next smoke refuses it: {e}")
+            continue
+        if snapshot(copy) != {**before, "kept": after["kept"]}:
+            problems.append(f"smoke --keep: killed before call {copy.name}: the next smoke does not start from an "
+                            f"empty folder: {sorted(set(snapshot(copy)) - set(before))}")
+    return problems
+
+
+# Found by this sweep in the save module (templates/dsfix_safetensors.py, not this sweep's to change): a write of
+# a tokenizer file that fails (tokenizer.save_pretrained into the save's .tokenizer folder) is dropped, and
+# the save, and smoke, succeed with that file missing from the folder. Listed here, so that it stays in sight
+# and this test fails once it is fixed (then delete this).
+SAVE_MODULE_DROPS_A_TOKENIZER_FILE = r"call \d+ \((open open|write file\.write) kept/\.dsfix-save-\d+/\.tokenizer/[^)]*\) " \
+                                     r"failing with E[A-Z]+: exit 0 but not the complete saved folder$"
+
+
+@pytest.mark.extended
+def test_smoke_keep_every_call_site(tmp_path):
+    """smoke --keep on the narrow Qwen3, one model build: every call site of the save (sweepkit.call_sites),
+    each errno, and a kill before each; the two latest kills run again to the end, the others to the start of
+    the next smoke (which takes the killed one's folder back)."""
+    import re
+
+    calls, problems = _smoke_sweep(tmp_path, call_sites, lambda kind: ERRNOS[kind], full_reruns=2)
+    known = [p for p in problems if re.search(SAVE_MODULE_DROPS_A_TOKENIZER_FILE, p)]
+    others = [p for p in problems if p not in known]
+    assert not others, "\n".join(others[:30]) + f"\n({len(others)} problems)"
+    assert known, "the save module no longer drops a tokenizer file that fails: remove SAVE_MODULE_DROPS_..."
+    print(f"smoke --keep: {len(calls)} calls, {len(call_sites(calls))} swept; the save module's: {len(known)}")
+
+
+def test_smoke_keep_takes_back_a_killed_smokes_folder_and_only_that(tmp_path):
+    """smoke --keep marks the folder while it writes into it (its pid); a smoke killed there leaves the mark,
+    and the next smoke --keep takes that folder back (it held nothing but the killed smoke's files) instead of
+    refusing it as not empty; a folder marked by a live smoke, or not marked, is still refused."""
+    import subprocess
+    import sys
+
+    import patcher.checkpoint.smoke as smoke
+    from patcher.errors import DsfixError
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    kept = tmp_path / "kept"
+    (kept / ".dsfix-save-123").mkdir(parents=True)
+    (kept / "model.safetensors").write_bytes(b"half")
+    (kept / smoke.KEEP_MARKER).write_text(f"{gone.pid}\n")
+    smoke._check_keep(kept)
+    with smoke._out_folder(kept) as out:
+        assert sorted(os.listdir(out)) == [smoke.KEEP_MARKER]
+    assert os.listdir(kept) == []
+    for mark in (f"{os.getpid()}\n", None):  # a live smoke's, or a folder of someone's
+        (kept / "model.safetensors").write_bytes(b"mine")
+        if mark:
+            (kept / smoke.KEEP_MARKER).write_text(mark)
+        with pytest.raises(DsfixError, match="must be new or empty"):
+            smoke._check_keep(kept)
+        shutil.rmtree(kept)
+        kept.mkdir()
