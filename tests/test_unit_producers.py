@@ -151,3 +151,41 @@ def test_the_staging_folder_follows_the_umask(tmp_path, umask, mode):
         os.umask(old)
     assert folder.parent == tmp_path and folder.name.startswith(".dsfix-convert-")
     assert folder.stat().st_mode & 0o777 == mode
+
+
+def test_verify_against_takes_a_bin_reference_loaded_weights_only(tmp_path):
+    """What a zero_to_fp32 user holds as a reference: a pytorch_model.bin (a state dict of tensors), compared
+    with a safetensors folder; a .bin whose pickle needs code to load is refused in one line, nothing run."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from patcher.checkpoint.compare import compare_folders, is_bin_reference
+
+    weights = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b.bias": torch.ones(5)}
+    (tmp_path / "out").mkdir()
+    save_file(weights, str(tmp_path / "out" / "model.safetensors"))
+    (tmp_path / "ref").mkdir()
+    torch.save(weights, str(tmp_path / "ref" / "pytorch_model.bin"))
+    assert is_bin_reference(tmp_path / "ref") and not is_bin_reference(tmp_path / "out")
+    report = compare_folders(tmp_path / "out", tmp_path / "ref")
+    assert report.ok and report.summary == f"matches {tmp_path / 'ref'}: 2 tensors compared, 2 bit-equal"
+
+    torch.save({**weights, "b.bias": torch.ones(5) * 2}, str(tmp_path / "ref" / "pytorch_model.bin"))
+    report = compare_folders(tmp_path / "out", tmp_path / "ref")
+    assert not report.ok and report.first.startswith("values: b.bias: max |diff| 1")
+
+    marker = tmp_path / "ran"
+    torch.save({"a.weight": _RunsCode(str(marker))}, str(tmp_path / "ref" / "pytorch_model.bin"))
+    with pytest.raises(DsfixError) as info:
+        compare_folders(tmp_path / "out", tmp_path / "ref")
+    assert "refused: this pickle needs code to load" in info.value.message and not marker.exists()
+
+
+class _RunsCode:
+    """A pickle that would create a file when loaded with weights_only=False."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
