@@ -146,8 +146,8 @@ class EngineResult(Result, Checks):
         run = f"a Trainer run folder; converting {self.chosen}: " if self.chosen else ""
         by = PRODUCERS.get(self.producer, "")
         by = f", saved by {by}" if by else ""
-        config = (f"; config.json and tokenizer from the checkpoint's own folder" if self.config_own
-                  else f"; config.json and tokenizer from --config {self.config}" if self.config else "")
+        config = ("; config from the checkpoint's own folder" if self.config_own
+                  else f"; config from --config {self.config}" if self.config else "")
         if self.universal:
             return (f"{self.path}: {run}a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a "
                     f"{stage} run on {self.world} rank(s); one fp32 file a parameter){config}, written to {self.output}")
