@@ -1,4 +1,7 @@
-"""``dsfix convert CKPT --config MODEL --output OUT``: a DeepSpeed checkpoint to a verified Hugging Face folder.
+"""``dsfix convert CKPT [--config MODEL] --output OUT``: a DeepSpeed checkpoint to a verified Hugging Face folder.
+
+Which checkpoint (a Trainer run folder's last ``checkpoint-N``), whose config (the checkpoint's own
+``config.json``, as the Trainer writes it, else ``--config``) and who wrote it: :mod:`patcher.checkpoint.zero`.
 
 What it reads, each in its own module:
 
@@ -8,7 +11,7 @@ What it reads, each in its own module:
 * what it refuses (tensor, expert or pipeline parallelism, non-Adam optimizer states):
   :mod:`patcher.checkpoint.refuse`.
 
-This module plans the output from the model_states file and ``--config``'s model (names, shapes, dtypes,
+This module plans the output from the model_states file and the config's model (names, shapes, dtypes,
 the tied aliases recorded in ``shared_params``), lays out the output files' headers first with the
 inserted save's own layout function, then streams: the reader hands over one piece of one tensor at a
 time, which is cast to the output dtype and written at its place. Memory is one rank's partition (one

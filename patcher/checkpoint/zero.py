@@ -17,6 +17,14 @@ folder, and where each element of the ranks' flat fp32 partitions belongs.
 :func:`zero3_pieces`) and hands them on, one rank's optimizer file at a time (memory-mapped), then the
 frozen parameters and buffers (:func:`stream_frozen`, which a universal checkpoint shares).
 
+Where checkpoints come from: the Hugging Face Trainer saves ``OUTPUT/checkpoint-N/`` (``latest``,
+``global_stepN/``, ``config.json``, the tokenizer, ``trainer_state.json``), accelerate's ``save_state`` a folder
+with ``latest`` naming ``pytorch_model/`` beside ``random_states_R.pkl``, and ``engine.save_checkpoint`` the
+bare ``latest`` and ``global_stepN/``. :func:`choose_checkpoint` picks a run folder's last ``checkpoint-N`` as
+transformers' ``get_last_checkpoint`` does, :func:`config_folder` finds the checkpoint's own ``config.json``,
+:func:`producer_of` says who wrote it, and :func:`precision_of` names the run's precision (the file names
+say bf16; fp16 and fp32 runs write the same names, and the saved DeepSpeed config tells them apart).
+
 Every ``.pt`` is read with ``torch.load(weights_only=True)`` and an allow-list of the few non-torch types
 DeepSpeed pickles (:data:`ALLOWED`), each bound to a plain stand-in class here, so no DeepSpeed or other
 code runs on load and DeepSpeed need not be installed. Anything else is refused, naming the type.
