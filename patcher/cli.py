@@ -60,7 +60,9 @@ app = typer.Typer(
     cls=_Group,
     add_completion=False,
     no_args_is_help=True,
-    help="Make DeepSpeed-Chat save tied-weight models (Qwen3 and friends) correctly, as safetensors.",
+    help="Make DeepSpeed-Chat save tied-weight models (Qwen3 and friends) correctly, as safetensors; convert "
+         "DeepSpeed checkpoints (DeepSpeed-Chat's, the Hugging Face Trainer's, accelerate's) into verified, tied "
+         "safetensors folders.",
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help: flags show no value placeholder
