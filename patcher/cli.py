@@ -513,10 +513,10 @@ def convert(
                             ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None)) if v is not None]
     if given or dtype is not OutDType.auto:
         options = given or ["--dtype"]
-        what = ("this .bin output folder is converted in place" if bins else
+        what = ("a .bin output folder is converted in place" if bins else
                 f"none here, nor .bin weights: found {zero.contents(folder)}")
         raise DsfixError(f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} for DeepSpeed checkpoints "
-                         f"(latest, global_stepN/, checkpoint-N/); {what}",
+                         f"(latest, checkpoint-N/); {what}",
                          path=str(folder))
     from patcher.checkpoint.convert import convert as run_convert
 

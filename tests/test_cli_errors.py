@@ -30,17 +30,17 @@ ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capi
     ("convert: no such folder", ["convert", "MISSING"], 2, "dsfix: error: MISSING: no such folder"),
     ("convert: a file", ["convert", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
     ("convert: an empty folder", ["convert", "EMPTY"], 2,
-     "dsfix: error: EMPTY: no pytorch_model.bin (here, or in actor/, critic/, actor_ema/), no DeepSpeed checkpoint "
-     "(latest), no checkpoint-N/; found an empty folder"),
+     "dsfix: error: EMPTY: no pytorch_model.bin (also not in actor/, critic/, actor_ema/), no latest, no "
+     "checkpoint-N/; found an empty folder"),
     ("convert: two engine options on a .bin folder", ["convert", "BINS", "--config", "EMPTY", "--output", "EMPTY"], 2,
-     "dsfix: error: BINS: --config, --output are for DeepSpeed checkpoints (latest, global_stepN/, checkpoint-N/); "
-     "this .bin output folder is converted in place"),
+     "dsfix: error: BINS: --config, --output are for DeepSpeed checkpoints (latest, checkpoint-N/); a .bin output "
+     "folder is converted in place"),
     ("convert: an engine option on a .bin folder", ["convert", "BINS", "--dtype", "bf16"], 2,
-     "dsfix: error: BINS: --dtype is for DeepSpeed checkpoints (latest, global_stepN/, checkpoint-N/); this .bin "
-     "output folder is converted in place"),
+     "dsfix: error: BINS: --dtype is for DeepSpeed checkpoints (latest, checkpoint-N/); a .bin output folder is "
+     "converted in place"),
     ("convert: an engine option on a folder of neither kind", ["convert", "KEPT", "--output", "EMPTY/out"], 2,
-     "dsfix: error: KEPT: --output is for DeepSpeed checkpoints (latest, global_stepN/, checkpoint-N/); none here, "
-     "nor .bin weights: found DeepSpeed-Chat/"),
+     "dsfix: error: KEPT: --output is for DeepSpeed checkpoints (latest, checkpoint-N/); none here, nor .bin "
+     "weights: found DeepSpeed-Chat/"),
     ("convert: no config.json", ["convert", "BINS"], 2,
      "dsfix: error: BINS: no config.json: convert needs the model's config to check the weights"),
     ("convert: already safetensors", ["convert", "SAFETENSORS"], 0,
@@ -60,11 +60,11 @@ ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capi
     ("convert: a Trainer run, --tag a checkpoint it lacks", ["convert", "RUN", "--tag", "checkpoint-9"], 2,
      "dsfix: error: RUN: --tag checkpoint-9: no such checkpoint here; the run saved checkpoint-2, checkpoint-10"),
     ("convert: a Trainer run, --tag a step folder", ["convert", "RUN", "--tag", "global_step2"], 2,
-     "dsfix: error: RUN: --tag global_step2: in a Trainer run folder --tag names a checkpoint-N (checkpoint-2, "
-     "checkpoint-10); give checkpoint-N itself to pick its step"),
+     "dsfix: error: RUN: --tag global_step2: here --tag names a checkpoint-N (checkpoint-2, checkpoint-10); for a "
+     "step, give that checkpoint-N"),
     ("convert: a Trainer run without DeepSpeed", ["convert", "PLAINRUN", "--output", "EMPTY/out"], 2,
-     "dsfix: error: PLAINRUN: checkpoint-3 holds no DeepSpeed checkpoint (no latest, no global_stepN/): found "
-     "config.json, model.safetensors, trainer_state.json"),
+     "dsfix: error: PLAINRUN: checkpoint-3 holds no DeepSpeed checkpoint (no latest): found config.json, "
+     "model.safetensors, trainer_state.json"),
     ("convert: --config names a file", ["convert", "ENGINE", "--config", "FILE", "--output", "EMPTY/out"], 2,
      f"dsfix: error: FILE: {FILE_RULE}"),
     ("convert: --remove-bin on an engine checkpoint", ["convert", "ENGINE", "--remove-bin"], 2,

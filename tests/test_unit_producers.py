@@ -44,10 +44,10 @@ CHOICES = [  # (make the folder, --tag, the checkpoint chosen relative to root /
     (lambda r: _run(r, steps=(5,)), None, "checkpoint-5"),
     (lambda r: _run(r), "checkpoint-7", "--tag checkpoint-7: no such checkpoint here; the run saved checkpoint-2, "
                                         "checkpoint-9, checkpoint-10"),
-    (lambda r: _run(r), "global_step2", "--tag global_step2: in a Trainer run folder --tag names a checkpoint-N"),
+    (lambda r: _run(r), "global_step2", "--tag global_step2: here --tag names a checkpoint-N"),
     (lambda r: _run(r, steps=range(1, 7)), "x", "(checkpoint-1, ..., checkpoint-6 (6 in all))"),
     (lambda r: (_run(r, steps=(2,)), (r / "checkpoint-3").mkdir(), (r / "checkpoint-3" / "model.safetensors").touch()),
-     None, "checkpoint-3 holds no DeepSpeed checkpoint (no latest, no global_stepN/): found model.safetensors"),
+     None, "checkpoint-3 holds no DeepSpeed checkpoint (no latest): found model.safetensors"),
     (lambda r: ((r / "checkpoint-3").mkdir(parents=True), (r / "checkpoint-3" / "pytorch_model.bin").touch()), None,
      "found pytorch_model.bin; a .bin folder is converted in place: dsfix convert "),
     (lambda r: (r.mkdir(), (r / "notes.txt").touch()), None, None),  # neither: the caller says what was found

@@ -268,8 +268,7 @@ def _survey(folder: Path) -> _Plan:
         from patcher.checkpoint.zero import contents
 
         found = found or f"; found {contents(folder)}"
-        raise DsfixError(f"no {BIN_NAME} (here, or in actor/, critic/, actor_ema/), no DeepSpeed checkpoint "
-                         f"(latest), no checkpoint-N/{found}",
+        raise DsfixError(f"no {BIN_NAME} (also not in actor/, critic/, actor_ema/), no latest, no checkpoint-N/{found}",
                          path=str(folder))
     if st_name is not None:
         return _Plan(folder, source, sharded, already=f"{st_name} is already there beside {examples(source)} "

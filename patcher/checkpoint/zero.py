@@ -335,8 +335,8 @@ def choose_checkpoint(path, tag: Optional[str] = None) -> Optional[Chosen]:
     listed = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]} ({len(names)} in all)"
     if tag is not None:
         if not CHECKPOINT_RE.match(tag):
-            raise DsfixError(f"--tag {tag}: in a Trainer run folder --tag names a checkpoint-N ({listed}); give "
-                             "checkpoint-N itself to pick its step",
+            raise DsfixError(f"--tag {tag}: here --tag names a checkpoint-N ({listed}); for a step, give that "
+                             "checkpoint-N",
                              path=str(root))
         if tag not in names:
             raise DsfixError(f"--tag {tag}: no such checkpoint here; the run saved {listed}", path=str(root))
@@ -348,8 +348,8 @@ def choose_checkpoint(path, tag: Optional[str] = None) -> Optional[Chosen]:
     if not is_engine_checkpoint(chosen):
         bins = sorted(p.name for p in chosen.glob("pytorch_model*.bin"))
         hint = f"; a .bin folder is converted in place: dsfix convert {chosen}" if bins else ""
-        raise DsfixError(f"{chosen.name} holds no DeepSpeed checkpoint (no latest, no global_stepN/): "
-                         f"found {contents(chosen)}{hint}", path=str(root))
+        raise DsfixError(f"{chosen.name} holds no DeepSpeed checkpoint (no latest): found {contents(chosen)}{hint}",
+                         path=str(root))
     return Chosen(chosen, None, note)
 
 
