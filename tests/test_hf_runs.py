@@ -38,7 +38,8 @@ def hf_runs(tmp_path_factory, tiny_qwen3_helper):
     from smokekit import launch_ranks
 
     base = tmp_path_factory.mktemp("hf-runs")
-    code, output = launch_ranks(REPO / "fixtures" / "step1_trainer" / "hf_ckpt.py", ["--output_dir", base / "runs"],
+    code, output = launch_ranks(REPO / "fixtures" / "step1_trainer" / "hf_ckpt.py",
+                                ["--output_dir", base / "runs", "--save_model"],
                                 env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert code == 0, output[-4000:]
     model_dir = base / "model"
@@ -124,6 +125,14 @@ def test_a_trainer_zero3_checkpoint_is_the_engines_own_gathered_model(hf_runs, t
     assert (result.stage, result.precision, result.dtype, result.config) == (3, "bf16", "bfloat16", str(checkpoint))
     _assert_bit_equal(tmp_path / "out", _reference(runs / "trainer_z3_bf16"))
     _assert_verified_and_tied(tmp_path / "out", torch.bfloat16)
+
+    # trainer.save_model() without gathering wrote the engine's files into the output folder itself: the run
+    # folder is then that final save (the same weights, after the last step); --tag checkpoint-2 still picks
+    final = engine.convert_engine(runs / "trainer_z3_bf16", None, tmp_path / "final", load=False)
+    assert final.ok and not final.chosen and final.config == str(runs / "trainer_z3_bf16")
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
+    picked = engine.convert_engine(runs / "trainer_z3_bf16", None, tmp_path / "picked", tag="checkpoint-2", load=False)
+    assert picked.ok and picked.chosen.startswith("checkpoint-2 (as --tag names it")
 
 
 def test_an_fp32_trainer_run_is_called_fp32_and_matches_zero_to_fp32_and_its_bin(hf_runs, tmp_path):

@@ -51,6 +51,10 @@ CHOICES = [  # (make the folder, --tag, the checkpoint chosen relative to root /
     (lambda r: ((r / "checkpoint-3").mkdir(parents=True), (r / "checkpoint-3" / "pytorch_model.bin").touch()), None,
      "found pytorch_model.bin; a .bin folder is converted in place: dsfix convert "),
     (lambda r: (r.mkdir(), (r / "notes.txt").touch()), None, None),  # neither: the caller says what was found
+    # the Trainer's save_model() at ZeRO-3 without gathering: latest in the output folder itself, its final save
+    (lambda r: (_run(r), _checkpoint(r, 12, trainer=False)), None, "."),
+    (lambda r: (_run(r), _checkpoint(r, 12, trainer=False)), "global_step12", "."),
+    (lambda r: (_run(r), _checkpoint(r, 12, trainer=False)), "checkpoint-9", "checkpoint-9"),
 ]
 
 

@@ -324,11 +324,14 @@ class Chosen(NamedTuple):
 def choose_checkpoint(path, tag: Optional[str] = None) -> Optional[Chosen]:
     """``path`` when it is a DeepSpeed checkpoint; in a Trainer run folder (``checkpoint-N/`` folders), the one
     ``--tag`` names, else the last one, as transformers' ``get_last_checkpoint`` picks it (the largest N); None
-    when ``path`` is neither. Raises DsfixError when the chosen ``checkpoint-N`` holds no DeepSpeed checkpoint."""
+    when ``path`` is neither. A run folder that is also a checkpoint itself (the Trainer's ``save_model()`` at
+    ZeRO-3 without gathering writes ``latest`` into its output folder) is that checkpoint, its final save,
+    unless ``--tag checkpoint-N`` names one of its checkpoints. Raises DsfixError when the chosen
+    ``checkpoint-N`` holds no DeepSpeed checkpoint."""
     root = Path(path)
-    if is_engine_checkpoint(root):
-        return Chosen(root, tag, "")
     runs = run_checkpoints(root)
+    if is_engine_checkpoint(root) and not (tag is not None and runs and CHECKPOINT_RE.match(tag)):
+        return Chosen(root, tag, "")
     if not runs:
         return None
     names = [p.name for p in runs]
