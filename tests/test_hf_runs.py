@@ -130,7 +130,8 @@ def test_a_trainer_zero3_checkpoint_is_the_engines_own_gathered_model(hf_runs, t
     # folder is then that final save (the same weights, after the last step); --tag checkpoint-2 still picks
     final = engine.convert_engine(runs / "trainer_z3_bf16", None, tmp_path / "final", load=False)
     assert final.ok and not final.chosen and final.config == str(runs / "trainer_z3_bf16")
-    assert (tmp_path / "final" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
+    written = (tmp_path / "out" / "model.safetensors").read_bytes()
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == written
     picked = engine.convert_engine(runs / "trainer_z3_bf16", None, tmp_path / "picked", tag="checkpoint-2", load=False)
     assert picked.ok and picked.chosen.startswith("checkpoint-2 (as --tag names it")
 

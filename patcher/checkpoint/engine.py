@@ -153,7 +153,8 @@ class EngineResult(Result, Checks):
                   else f"; config from --config {self.config}" if self.config else "")
         if self.universal:
             return (f"{self.path}: {run}a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a "
-                    f"{stage} run on {self.world} rank(s); one fp32 file a parameter){config}, written to {self.output}")
+                    f"{stage} run on {self.world} rank(s); one fp32 file a parameter){config}, "
+                    f"written to {self.output}")
         return (f"{self.path}: {run}a DeepSpeed engine checkpoint ({self.tag}, {stage}, {self.world} rank(s), "
                 f"{self.precision} optimizer states{by}){config}, written to {self.output}")
 

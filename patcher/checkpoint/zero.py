@@ -235,7 +235,8 @@ def layout_of(folder: Path, tag: str) -> Layout:
         raise DsfixError("no *_optim_states.pt: the fp32 master weights of a ZeRO checkpoint are in them "
                          "(a checkpoint saved without ZeRO, or its optimizer files were removed)", path=str(folder))
     if len(precisions) > 1:
-        raise DsfixError(f"optimizer files of several precisions ({examples(sorted(p or 'no prefix' for p in precisions))}): two saves in one "
+        found = examples(sorted(p or "no prefix" for p in precisions))
+        raise DsfixError(f"optimizer files of several precisions ({found}): two saves in one "
                          "folder?", path=str(folder))
     prec = precisions.pop()
     world = max(optim) + 1
