@@ -8,7 +8,8 @@ compares the file headers with them. torch and transformers are imported inside 
 
 Two kinds of folder, told apart by their keys:
 
-* ``causal-lm``: step 1's model and step 3's ``actor``/``actor_ema``, checked against
+* ``causal-lm``: any causal LM (a Trainer's or accelerate's model, a converted checkpoint, DeepSpeed-Chat's
+  step-1 model and step-3 ``actor``/``actor_ema``), checked against
   ``AutoModelForCausalLM.from_config`` and loaded with ``from_pretrained``;
 * ``critic``: step 2's reward model and step 3's ``critic`` (``rwtransformer.*`` plus ``v_head.weight``,
   with the base model's config), checked against :class:`patcher.checkpoint.critic.CriticModel` built the way
@@ -36,7 +37,7 @@ STEP3_SUBFOLDERS = ("actor", "critic", "actor_ema")  # what DeepSpeed-Chat's ste
 CAUSAL_LM = "causal-lm"
 CRITIC = "critic"
 KIND_TEXT = {
-    CAUSAL_LM: "causal LM (step-1 model, step-3 actor or EMA)",
+    CAUSAL_LM: "causal LM (a Trainer's or accelerate's model, DeepSpeed-Chat's step-1 model or step-3 actor/EMA)",
     CRITIC: "reward/critic model (rwtransformer.* + v_head.weight, as create_critic_model builds it)",
 }
 
@@ -195,9 +196,12 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
         need_folder(folder)
         weight_files(folder)
     if against is not None:
+        from patcher.checkpoint.compare import is_bin_reference
+
         for folder in model_folders(against):
             need_folder(folder)
-            weight_files(folder)
+            if not is_bin_reference(folder):  # a pytorch_model.bin reference (zero_to_fp32's) is read as it is
+                weight_files(folder)
     with quiet():
         if against is not None:
             return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
