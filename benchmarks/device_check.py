@@ -65,6 +65,8 @@ UPSTREAM_REQUIREMENTS = (
 )
 MAIN_MODULES = ("libcst", "typer", "rich", "torch", "safetensors", "transformers", "deepspeed")
 UPSTREAM_MODULES = ("transformers", "datasets", "deepspeed")
+# What a GPU machine's Python has and datasets needs: installed from the index where it lacks them too.
+UPSTREAM_PRESENT = ("pyarrow==21.0.0", "httpx==0.28.1", "httpcore==1.0.9", "h11==0.16.0", "anyio==4.11.0", "sniffio==1.3.1")
 STAGE_TIMEOUT_S = {"smoke": 240, "step1": 240, "engine": 180, "bench": 300, "setup": 300}
 
 
@@ -190,11 +192,12 @@ def stage_setup(check):
     code, versions = check.child(log, "versions", check.args.device, *MAIN_MODULES)
     plans = [(check.site, "main", MAIN_REQUIREMENTS, [m for m in MAIN_MODULES if not versions.get(m)])]
     if check.args.upstream:
-        _, found = check.child(log, "modules", *UPSTREAM_MODULES, upstream=True)
+        _, found = check.child(log, "modules", *UPSTREAM_MODULES, "pyarrow", "httpx", upstream=True)
         lacking = [m for m in UPSTREAM_MODULES if not found.get(m)]
         if (found.get("transformers") or "5").split(".")[0] != "4":
             lacking.append("transformers<5")
-        plans.append((check.upstream_site, "upstream", UPSTREAM_REQUIREMENTS, lacking))
+        extra = UPSTREAM_PRESENT if not (found.get("pyarrow") and found.get("httpx")) else ()
+        plans.append((check.upstream_site, "upstream", UPSTREAM_REQUIREMENTS + extra, lacking))
     for site, sub, requirements, lacking in plans:
         os.makedirs(site, exist_ok=True)
         if not lacking:
@@ -297,7 +300,9 @@ def stage_step1(check):
     for variant in ("unpatched", "patched"):
         folder = os.path.join(base, variant, "DeepSpeed-Chat")
         if upstream:
-            shutil.copytree(upstream, folder, ignore=shutil.ignore_patterns(".git", "output*", "data"))
+            top = os.path.abspath(upstream)  # not its .git, nor outputs and data of earlier runs at the top
+            shutil.copytree(upstream, folder, ignore=lambda here, names: [
+                n for n in names if n == ".git" or (os.path.abspath(here) == top and (n == "data" or n.startswith("output")))])
             _write_upstream_data(folder)
         else:
             shutil.copytree(EXAMPLE_CHECKOUT, folder)
