@@ -77,6 +77,9 @@ class BadInput(Exception):
 # --------------------------------------------------------------------------- running things, logging them
 
 
+DEADLINE = [float("inf")]  # time.monotonic() by which every command must have ended (--budget)
+
+
 class Log:
     """One stage's log file in OUT_DIR: every command, its exit code, its output."""
 
@@ -93,6 +96,7 @@ class Log:
         """Runs ``cmd`` in a process group of its own (killed past ``timeout``): (exit code, stdout). The exit code
         is None on a timeout; stdout and stderr both go to the log (stdout alone is returned when asked)."""
         self.write("$ " + " ".join(str(c) for c in cmd))
+        timeout = max(1.0, min(timeout, DEADLINE[0] - time.monotonic()))
         started = time.time()
         proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE if stdout_only else subprocess.STDOUT, text=True,
@@ -107,7 +111,7 @@ class Log:
         self.write(out or "")
         if err:
             self.write(err)
-        self.write("[exit %s after %.1f s]\n" % ("timeout %ds" % timeout if code is None else code, time.time() - started))
+        self.write("[exit %s after %.1f s]\n" % ("timeout %.0f s" % timeout if code is None else code, time.time() - started))
         return code, out or ""
 
 
@@ -138,6 +142,7 @@ class Check:
         self.rows = []
         self.facts = {}
         self.cpu = args.device == "cpu"
+        self.upstream_ok = bool(args.upstream)  # False once setup finds upstream's packages not importable
 
     def env(self, upstream=False, ranks=None):
         """This Python's environment with the installed folders and the repository first on its path; ``ranks``:
@@ -227,8 +232,9 @@ def stage_setup(check):
         check.facts["upstream's transformers"] = found.get("transformers")
         check.facts["datasets"] = found.get("datasets")
         if not all(found.get(m) for m in UPSTREAM_MODULES):
-            ok = False
-            notes.append("upstream's packages not all importable: %s" % found)
+            ok = check.upstream_ok = False
+            notes.append("upstream's packages not all importable (%s): step 1 falls back to dsfix's trainer"
+                         % ", ".join(m for m in UPSTREAM_MODULES if not found.get(m)))
     if code != 0 or not versions.get("device_ok"):
         ok = False
         notes.append(versions.get("device_problem") or "the versions could not be read (exit %s)" % code)
@@ -293,9 +299,11 @@ def stage_step1(check):
     """Both ZeRO stages, patched and unpatched; returns the ZeRO-3 patched run's folders for the engine stage."""
     log = Log(os.path.join(check.out, "step1.log"))
     base = os.path.join(check.work, "step1")
-    upstream = check.args.upstream
+    upstream = check.args.upstream if check.upstream_ok else None
     trainer = ("upstream DeepSpeed-Chat step-1 main.py (FusedAdam -> torch AdamW)" if upstream
                else "dsfix's step-1-like trainer (fixtures/step1_trainer)")
+    if check.args.upstream and not upstream:
+        trainer += ", upstream's asked for but its packages are not importable (setup.log)"
     check.facts["step-1 trainer"] = trainer
     checkouts = {}
     for variant in ("unpatched", "patched"):
@@ -537,6 +545,9 @@ def parse_args(argv):
     parser.add_argument("--upstream", default=None, help="a DeepSpeed-Chat folder (DeepSpeedExamples %s's "
                         "applications/DeepSpeed-Chat): step 1 runs its main.py instead of dsfix's trainer"
                         % UPSTREAM_COMMIT)
+    parser.add_argument("--budget", type=float, default=None, help="seconds all stages may take together (default: "
+                        "480 with cuda, for a GPU lent for minutes; none with cpu); a command still running then is "
+                        "stopped and its row fails, and the stages after it are reported as not run")
     parser.add_argument("--work", default=None, help="scratch folder (default: a new temporary folder, removed)")
     parser.add_argument("--requirements", choices=("main", "upstream"), default=None,
                         help="print the pinned requirements of that wheel folder and exit (for device_wheels.sh)")
@@ -568,6 +579,8 @@ def check_input(args):
         args.upstream = os.path.abspath(args.upstream)
     if args.wheels:
         args.wheels = os.path.abspath(args.wheels)
+    if args.budget is not None and args.budget <= 0:
+        raise BadInput("--budget must be a number of seconds above 0")
     if args.device == "cuda":
         sys.path.insert(0, REPO_ROOT)
         from patcher.prereq import no_gpu_driver
@@ -596,6 +609,9 @@ def main(argv=None):
     args.work = os.path.abspath(args.work or tempfile.mkdtemp(prefix="dsfix-device-check-"))
     os.makedirs(args.work, exist_ok=True)
     check = Check(args)
+    budget = args.budget if args.budget is not None else (480.0 if args.device == "cuda" else None)
+    if budget is not None:
+        DEADLINE[0] = time.monotonic() + budget
     try:
         versions = stage_setup(check)
         if args.device == "cuda" and not versions.get("device_ok"):
@@ -604,23 +620,21 @@ def main(argv=None):
                 handle.write("# dsfix device check: not run\n\n%s\n" % problem)
             sys.stderr.write("device_check: error: %s\n" % problem)
             return 2
-        for stage in (stage_smoke, stage_step1):
-            print("[device_check] %s" % stage.__name__[6:], file=sys.stderr, flush=True)
+        result = None
+        for name, stage in (("smoke", stage_smoke), ("step1", stage_step1), ("engine", stage_engine),
+                            ("bench", stage_bench)):
+            if time.monotonic() >= DEADLINE[0]:
+                check.row(name, False, "not run: the budget of %.0f s was spent" % budget, time.time())
+                continue
+            print("[device_check] %s" % name, file=sys.stderr, flush=True)
             try:
-                result = stage(check)
+                if stage is stage_engine:
+                    stage(check, result)
+                else:
+                    got = stage(check)
+                    result = got if stage is stage_step1 else result
             except Exception as e:  # a stage's own bug: its row fails, the next stage runs
-                check.row(stage.__name__[6:], False, "crashed: %s: %s" % (type(e).__name__, e), time.time())
-                result = None
-        print("[device_check] engine", file=sys.stderr, flush=True)
-        try:
-            stage_engine(check, result)
-        except Exception as e:
-            check.row("engine checkpoint", False, "crashed: %s: %s" % (type(e).__name__, e), time.time())
-        print("[device_check] bench", file=sys.stderr, flush=True)
-        try:
-            stage_bench(check)
-        except Exception as e:
-            check.row("bench_save", False, "crashed: %s: %s" % (type(e).__name__, e), time.time())
+                check.row(name, False, "crashed: %s: %s" % (type(e).__name__, e), time.time())
         passed, text = write_summary(check, time.time() - started)
         print(text)
         return 0 if passed else 1

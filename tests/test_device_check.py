@@ -59,6 +59,7 @@ def test_cuda_is_the_default_device(tmp_path):
     ("full", ["{out}", "--device", "cpu"], "must be a new or empty folder"),
     ("file", ["{out}", "--device", "cpu"], "must be a new or empty folder"),
     (None, ["{out}", "--device", "cpu", "--wheels", "{tmp}/none"], "not a folder"),
+    (None, ["{out}", "--device", "cpu", "--budget", "0"], "--budget must be a number of seconds above 0"),
     ("wheels", ["{out}", "--device", "cpu", "--wheels", "{tmp}/wheels"], "has no main/ folder"),
     ("chat", ["{out}", "--device", "cpu", "--upstream", "{tmp}/chat"], "not a DeepSpeed-Chat folder"),
 ])
@@ -92,6 +93,21 @@ def test_the_pins_name_what_the_gpu_machine_lacks():
     p = run("--requirements", "upstream")
     pins = dict(line.split("==") for line in p.stdout.split())
     assert p.returncode == 0 and pins["transformers"].startswith("4.") and "datasets" in pins
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_spent_budget_fails_the_rows_not_run_and_exits_1(tmp_path):
+    """A GPU lent for minutes: past --budget, what still runs is stopped and every stage after it is a failed row
+    ("not run"), never a pass; the table is written and the exit is 1."""
+    out = tmp_path / "out"
+    p = run(out, "--device", "cpu", "--budget", "0.5", "--work", tmp_path / "work")
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {r["stage"]: r for r in summary["rows"]}
+    assert not summary["passed"] and list(rows)[1:] == ["smoke", "step1", "engine", "bench"]
+    assert all(r["result"] == "FAIL" and r["figures"].startswith("not run: the budget") for r in list(rows.values())[1:])
+    assert "FAILED: " in (out / "summary.md").read_text()
 
 
 # --------------------------------------------------------------------------- the comparison the rows rest on
