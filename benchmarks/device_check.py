@@ -21,8 +21,8 @@ Stages, in order; a failed stage does not stop the ones after it:
                (fixtures/step1_trainer/train.py); the table names which ran
   engine       the DeepSpeed engine checkpoint the ZeRO-3 patched run saved on DEV, through ``dsfix convert``:
                bit-equal to the engine's own weights (convert itself verifies and loads what it wrote)
-  bench        ``bench_save.py --device DEV`` (cuda: full-size Qwen3-0.6B, one round; cpu: ``--quick``), its
-               ratios
+  bench        ``bench_save.py --device DEV`` (cuda: full-size Qwen3-0.6B, one round of the five methods its
+               ratios need; cpu: ``--quick``), its ratios
 
 OUT_DIR receives one log per stage (setup.log, smoke.log, step1.log, engine.log, bench.log) and the table,
 summary.md and summary.json: seven files. Exit status: 0 every row passed, 1 a row failed, 2 bad input (say
@@ -67,6 +67,7 @@ MAIN_MODULES = ("libcst", "typer", "rich", "torch", "safetensors", "transformers
 UPSTREAM_MODULES = ("transformers", "datasets", "deepspeed")
 # What a GPU machine's Python has and datasets needs: installed from the index where it lacks them too.
 UPSTREAM_PRESENT = ("pyarrow==21.0.0", "httpx==0.28.1", "httpcore==1.0.9", "h11==0.16.0", "anyio==4.11.0", "sniffio==1.3.1")
+BENCH_GPU_METHODS = "dsfix_clone,dsfix_dedupe,transformers,article,raw"
 STAGE_TIMEOUT_S = {"smoke": 240, "step1": 240, "engine": 180, "bench": 300, "setup": 300}
 
 
@@ -189,6 +190,36 @@ class Check:
 # --------------------------------------------------------------------------- the stages
 
 
+def has_pip(log):
+    code, _ = log.run([sys.executable, "-m", "pip", "--version"], dict(os.environ), 60)
+    return code == 0
+
+
+def unpack_wheels(files, site, log):
+    """What ``pip install --no-index --no-deps --target SITE`` does with these wheels, for a Python without pip:
+    each unzipped into SITE, its .data/purelib and .data/platlib moved up beside it (scripts are not needed:
+    everything runs as ``python -m``). 0, or 1 when a wheel cannot be read."""
+    import zipfile
+
+    for path in files:
+        try:
+            with zipfile.ZipFile(path) as wheel:
+                wheel.extractall(site)
+        except (OSError, zipfile.BadZipFile) as e:
+            log.write("cannot unpack %s: %s" % (path, e))
+            return 1
+    for name in os.listdir(site):
+        if name.endswith(".data"):
+            for sub in ("purelib", "platlib"):
+                folder = os.path.join(site, name, sub)
+                if os.path.isdir(folder):
+                    for item in os.listdir(folder):
+                        shutil.move(os.path.join(folder, item), os.path.join(site, item))
+            shutil.rmtree(os.path.join(site, name))
+    log.write("unpacked %d wheels into %s (no pip)" % (len(files), site))
+    return 0
+
+
 def stage_setup(check):
     """What is missing, installed (from --wheels, else the index) into folders of the work folder that the stages
     put first on their path; then the versions, and whether the device asked for is there."""
@@ -216,7 +247,10 @@ def stage_setup(check):
         else:
             cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", site, *requirements]
         env = dict(os.environ, DS_BUILD_OPS="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
-        pcode, _ = log.run(cmd, env, STAGE_TIMEOUT_S["setup"])
+        if check.args.wheels and not has_pip(log):
+            pcode = unpack_wheels(files, site, log)
+        else:
+            pcode, _ = log.run(cmd, env, STAGE_TIMEOUT_S["setup"])
         ok &= pcode == 0
         notes.append("%s: %s from %s (lacked %s)" % (sub, "installed" if pcode == 0 else "install failed, exit %s" % pcode,
                                                      "the wheels" if check.args.wheels else "the index",
@@ -402,11 +436,12 @@ def stage_bench(check):
     started = time.time()
     log = Log(os.path.join(check.out, "bench.log"))
     results = os.path.join(check.work, "bench.json")
-    sizes = ["--quick"] if check.cpu else ["--rounds", "1"]
+    # cuda: one round of the methods its ratios need (each method a process that builds Qwen3-0.6B on the GPU)
+    sizes = ["--quick"] if check.cpu else ["--rounds", "1", "--methods", BENCH_GPU_METHODS]
     code, out = log.run([sys.executable, os.path.join(HERE, "bench_save.py"), "--device", check.args.device, *sizes,
                          "--json", results, "--tmpdir", check.work], check.env(), STAGE_TIMEOUT_S["bench"])
     ratios = [line[2:].split(" (goal")[0] for line in out.splitlines() if line.startswith("- ") and " = " in line]
-    check.row("bench_save (%s)" % ("--quick" if check.cpu else "Qwen3-0.6B, 1 round"), code == 0 and bool(ratios),
+    check.row("bench_save (%s)" % ("--quick" if check.cpu else "Qwen3-0.6B, 1 round, 5 methods"), code == 0 and bool(ratios),
               "; ".join(ratios) if ratios else "bench_save exit %s, no ratios (bench.log)" % code, started)
 
 

@@ -7,8 +7,8 @@ Written for dsfix; no upstream code is here. Launched by DeepSpeed's launcher in
 
 with CHAT on PYTHONPATH. Before ``main.py`` runs (``runpy``, as ``__main__``, with ``ARGS``):
 
-- torch's deterministic algorithms are switched on, so that two runs at the same seed (one through a patched
-  checkout, one through an unpatched one) train the same weights on a GPU too;
+- torch's deterministic algorithms and the math attention are switched on, so that two runs at the same seed
+  (one through a patched checkout, one through an unpatched one) train the same weights on a GPU too;
 - ``deepspeed.ops.adam.FusedAdam``, which ``main.py`` picks without ``--offload``, becomes torch's AdamW with the
   same arguments: DeepSpeed's FusedAdam is a CUDA op compiled on first use, which takes nvcc and minutes that a
   bare machine does not have (with ``--offload``, DeepSpeedCPUAdam is a C++ op compiled the same way);
@@ -61,6 +61,10 @@ def main():
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)
+    for name in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sdp"):  # their backward varies
+        switch = getattr(torch.backends.cuda, name, None)
+        if switch is not None:
+            switch(False)
     import deepspeed.ops.adam
 
     deepspeed.ops.adam.FusedAdam = adamw

@@ -120,6 +120,30 @@ def _device_check():
     return module
 
 
+def test_wheels_unpack_without_pip_as_pip_would_place_them(tmp_path):
+    """A GPU machine whose Python has no pip still gets the wheels: unzipped, .data/purelib and platlib moved up."""
+    import zipfile
+
+    check = _device_check()
+    good = tmp_path / "pkg_b-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(good, "w") as wheel:
+        wheel.writestr("pkg_a/__init__.py", "A = 1\n")
+        wheel.writestr("pkg_b-1.0.data/purelib/pkg_b/__init__.py", "B = 2\n")
+        wheel.writestr("pkg_b-1.0.data/scripts/pkg-b", "#!python\n")
+        wheel.writestr("pkg_b-1.0.dist-info/METADATA", "Name: pkg_b\n")
+    site = tmp_path / "site"
+    site.mkdir()
+    log = check.Log(str(tmp_path / "setup.log"))
+    assert check.unpack_wheels([str(good)], str(site), log) == 0
+    p = subprocess.run([sys.executable, "-c", "import pkg_a, pkg_b; print(pkg_a.A + pkg_b.B)"], capture_output=True,
+                       text=True, env=dict(ENV, PYTHONPATH=str(site)), timeout=30)
+    assert p.stdout.strip() == "3", p.stderr
+    assert not any(n.endswith(".data") for n in os.listdir(site))
+    bad = tmp_path / "bad-1.0-py3-none-any.whl"
+    bad.write_bytes(b"not a zip")
+    assert check.unpack_wheels([str(bad)], str(site), log) == 1 and "cannot unpack" in (tmp_path / "setup.log").read_text()
+
+
 @pytest.mark.slow
 def test_compare_is_bit_for_bit_through_the_tie_and_names_the_first_difference(tmp_path):
     torch = pytest.importorskip("torch")
