@@ -391,23 +391,28 @@ def stage_step1(check):
                     "--dtype", "bf16", "--steps", "1" if check.cpu else "2", "--seed", str(SEED), "--deterministic",
                     "--save", "dsfix" if variant == "patched" else "original", *extra], env, REPO_ROOT)
             runs[variant] = (rc, out, ref)
-        problems = ["%s run exit %s" % (v, rc) for v, (rc, _, _) in runs.items() if rc != 0]
+        problems = ["%s run exit %s (step1.log)" % (v, rc) for v, (rc, _, _) in runs.items() if rc != 0]
         figures = []
-        ok = not problems
-        if ok:
-            _, out, ref = runs["patched"]
-            code_, (same, own) = check.compare(log, (out, os.path.join(runs["unpatched"][1], "pytorch_model.bin")),
-                                               (out, os.path.join(ref, "reference.pt")))
+        prc, out, ref = runs["patched"]
+        if prc == 0:  # what the patched run saved, against the other run's .bin when there is one, and its engine
+            pairs = [(out, os.path.join(ref, "reference.pt"))]
+            if runs["unpatched"][0] == 0:
+                pairs.insert(0, (out, os.path.join(runs["unpatched"][1], "pytorch_model.bin")))
+            _, results = check.compare(log, *pairs)
+            own, same = results[-1], (results[0] if len(results) == 2 else None)
             vcode, verified = check.dsfix(log, "verify", out)
-            ok = same.get("ok") is True and own.get("ok") is True and vcode == 0
-            figures.append("%s/%s bit-equal patched vs unpatched" % (same.get("equal"), same.get("total")))
+            if same is not None:
+                figures.append("%s/%s bit-equal patched vs unpatched" % (same.get("equal"), same.get("total")))
             figures.append("%s/%s bit-equal with the engine's weights" % (own.get("equal"), own.get("total")))
             figures.append("verify: %s" % (verified.get("message") or "exit %s" % vcode))
-            for what, result in (("patched vs unpatched", same), ("against the engine", own)):
+            for what, result in (("patched vs unpatched", same or {}), ("against the engine", own)):
                 if result.get("first"):
                     figures.append("first difference %s: %s" % (what, result["first"]))
+            ok = not problems and (same or {}).get("ok") is True and own.get("ok") is True and vcode == 0
             if stage == 3:
                 ckpt = (os.path.join(base, "ckpt-z3"), out, ref)
+        else:
+            ok = False
         check.row(name, ok, "; ".join(problems + figures), started)
     return ckpt
 
