@@ -61,12 +61,13 @@ UPSTREAM_REQUIREMENTS = (
     "transformers==4.57.6", "tokenizers==0.22.2", "huggingface-hub==0.36.2", "datasets==4.4.1", "dill==0.4.0",
     "multiprocess==0.70.18", "fsspec==2025.10.0", "xxhash==3.6.0", "pandas==2.3.3", "python-dateutil==2.9.0.post0",
     "pytz==2025.2", "tzdata==2025.2", "six==1.17.0", "requests==2.32.5", "urllib3==2.5.0", "idna==3.11",
-    "certifi==2025.10.5", "charset-normalizer==3.4.4",
+    "certifi==2025.10.5", "charset-normalizer==3.4.4", "httpx==0.28.1", "httpcore==1.0.9", "h11==0.16.0",
+    "anyio==4.11.0", "sniffio==1.3.1",
 )
 MAIN_MODULES = ("libcst", "typer", "rich", "torch", "safetensors", "transformers", "deepspeed")
 UPSTREAM_MODULES = ("transformers", "datasets", "deepspeed")
 # What a GPU machine's Python has and datasets needs: installed from the index where it lacks them too.
-UPSTREAM_PRESENT = ("pyarrow==21.0.0", "httpx==0.28.1", "httpcore==1.0.9", "h11==0.16.0", "anyio==4.11.0", "sniffio==1.3.1")
+UPSTREAM_PRESENT = ("pyarrow==21.0.0",)
 BENCH_GPU_METHODS = "dsfix_clone,dsfix_dedupe,transformers,article,raw"
 STAGE_TIMEOUT_S = {"smoke": 240, "step1": 240, "engine": 180, "bench": 300, "setup": 300}
 
@@ -140,6 +141,7 @@ class Check:
         self.work = args.work
         self.site = os.path.join(self.work, "site")
         self.upstream_site = os.path.join(self.work, "site-upstream")
+        self.dsfix_site = os.path.join(self.work, "site-dsfix")  # dsfix's layout, where this Python lacks it
         self.rows = []
         self.facts = {}
         self.cpu = args.device == "cpu"
@@ -149,7 +151,7 @@ class Check:
         """This Python's environment with the installed folders and the repository first on its path; ``ranks``:
         a launch of that many CPU ranks (DeepSpeed's CPU accelerator over gloo)."""
         env = dict(os.environ)
-        paths = ([self.upstream_site] if upstream else []) + [self.site, REPO_ROOT]
+        paths = ([self.upstream_site] if upstream else []) + [self.site, self.dsfix_site, REPO_ROOT]
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = os.pathsep.join(paths + ([old] if old else []))
         env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", NO_COLOR="1")
@@ -165,7 +167,7 @@ class Check:
     def dsfix(self, log, *args, timeout=180, upstream=False):
         """``dsfix ARGS --json`` from this checkout (python -m patcher): (exit code, its JSON result)."""
         code, out = log.run([sys.executable, "-m", "patcher", *args, "--json"], self.env(upstream), timeout,
-                            stdout_only=True)
+                            cwd=self.work, stdout_only=True)  # not the tree's top: -m puts the current folder first
         return code, last_json(out)
 
     def child(self, log, *args, upstream=False, timeout=180):
@@ -220,6 +222,20 @@ def unpack_wheels(files, site, log):
     return 0
 
 
+# pyproject.toml's [tool.setuptools.package-dir]: where an installed dsfix finds what the tree keeps at its top
+PACKAGE_DIRS = {"patcher.templates": "templates", "patcher._fixtures": "fixtures"}
+
+
+def lay_out_dsfix(site):
+    """dsfix from this working tree, laid out in ``site`` as its wheel lays it out (``patcher/``, with
+    ``templates/`` as ``patcher/templates`` and ``fixtures/`` as ``patcher/_fixtures``): run from a clone that was
+    never installed, ``patcher.templates`` (the save module, which verify, convert and smoke import) is missing."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(os.path.join(REPO_ROOT, "patcher"), os.path.join(site, "patcher"), ignore=ignore)
+    for package, folder in PACKAGE_DIRS.items():
+        shutil.copytree(os.path.join(REPO_ROOT, folder), os.path.join(site, *package.split(".")), ignore=ignore)
+
+
 def stage_setup(check):
     """What is missing, installed (from --wheels, else the index) into folders of the work folder that the stages
     put first on their path; then the versions, and whether the device asked for is there."""
@@ -229,11 +245,11 @@ def stage_setup(check):
     code, versions = check.child(log, "versions", check.args.device, *MAIN_MODULES)
     plans = [(check.site, "main", MAIN_REQUIREMENTS, [m for m in MAIN_MODULES if not versions.get(m)])]
     if check.args.upstream:
-        _, found = check.child(log, "modules", *UPSTREAM_MODULES, "pyarrow", "httpx", upstream=True)
+        _, found = check.child(log, "modules", *UPSTREAM_MODULES, "pyarrow", upstream=True)
         lacking = [m for m in UPSTREAM_MODULES if not found.get(m)]
         if (found.get("transformers") or "5").split(".")[0] != "4":
             lacking.append("transformers<5")
-        extra = UPSTREAM_PRESENT if not (found.get("pyarrow") and found.get("httpx")) else ()
+        extra = UPSTREAM_PRESENT if not found.get("pyarrow") else ()
         plans.append((check.upstream_site, "upstream", UPSTREAM_REQUIREMENTS + extra, lacking))
     for site, sub, requirements, lacking in plans:
         os.makedirs(site, exist_ok=True)
@@ -257,6 +273,13 @@ def stage_setup(check):
                                                      ", ".join(lacking)))
         if sub == "main":
             code, versions = check.child(log, "versions", check.args.device, *MAIN_MODULES)
+    _, found = check.child(log, "modules", "patcher.templates.dsfix_safetensors")
+    if not found.get("patcher.templates.dsfix_safetensors"):
+        lay_out_dsfix(check.dsfix_site)
+        _, found = check.child(log, "modules", "patcher.templates.dsfix_safetensors")
+        ok &= bool(found.get("patcher.templates.dsfix_safetensors"))
+        notes.append("dsfix: laid out from the working tree (not installed here)%s"
+                     % ("" if ok else ", and still not importable"))
     missing = [m for m in MAIN_MODULES if not versions.get(m)]
     if missing:
         ok = False
@@ -389,7 +412,7 @@ def stage_step1(check):
                 rc, _ = _launch(check, log, TRAINER, [
                     "--utils", utils, "--output_dir", out, "--reference_dir", ref, "--zero_stage", str(stage),
                     "--dtype", "bf16", "--steps", "1" if check.cpu else "2", "--seed", str(SEED), "--deterministic",
-                    "--save", "dsfix" if variant == "patched" else "original", *extra], env, REPO_ROOT)
+                    "--save", "dsfix" if variant == "patched" else "original", *extra], env, check.work)
             runs[variant] = (rc, out, ref)
         problems = ["%s run exit %s (step1.log)" % (v, rc) for v, (rc, _, _) in runs.items() if rc != 0]
         figures = []
@@ -444,7 +467,8 @@ def stage_bench(check):
     # cuda: one round of the methods its ratios need (each method a process that builds Qwen3-0.6B on the GPU)
     sizes = ["--quick"] if check.cpu else ["--rounds", "1", "--methods", BENCH_GPU_METHODS]
     code, out = log.run([sys.executable, os.path.join(HERE, "bench_save.py"), "--device", check.args.device, *sizes,
-                         "--json", results, "--tmpdir", check.work], check.env(), STAGE_TIMEOUT_S["bench"])
+                         "--json", results, "--tmpdir", check.work], check.env(), STAGE_TIMEOUT_S["bench"],
+                        cwd=check.work)
     ratios = [line[2:].split(" (goal")[0] for line in out.splitlines() if line.startswith("- ") and " = " in line]
     check.row("bench_save (%s)" % ("--quick" if check.cpu else "Qwen3-0.6B, 1 round, 5 methods"), code == 0 and bool(ratios),
               "; ".join(ratios) if ratios else "bench_save exit %s, no ratios (bench.log)" % code, started)

@@ -204,3 +204,24 @@ def test_device_check_passes_on_the_cpu(tmp_path):
     table = (out / "summary.md").read_text()
     assert "| step 1 ZeRO-3 | pass |" in table and table.rstrip().endswith("all rows pass")
     assert seconds < 240, "the CPU form took %.0f s" % seconds
+
+
+def test_dsfix_laid_out_as_its_wheel_where_it_is_not_installed(tmp_path):
+    """A GPU machine runs dsfix from the working tree, never installed: the device check lays it out as the wheel
+    does (pyproject.toml's package-dir), and a Python that sees nothing else imports the save module from there."""
+    tomllib = pytest.importorskip("tomllib")
+    check = _device_check()
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert check.PACKAGE_DIRS == setuptools["package-dir"]
+    assert set(setuptools["packages"]) <= {"patcher", *check.PACKAGE_DIRS} | {
+        p for p in setuptools["packages"] if p.startswith("patcher.") and (REPO / p.replace(".", "/")).is_dir()}
+    site = tmp_path / "site"
+    check.lay_out_dsfix(str(site))
+    probe = ("import sys; sys.path[:0] = [%r]; import patcher.templates, patcher._fixtures; from patcher.resources "
+             "import resource_path; print(resource_path('templates', 'dsfix_safetensors.py')); "
+             "print(resource_path('fixtures', 'models/qwen3-narrow/config.json'))" % str(site))
+    p = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, timeout=30, env=ENV,
+                       cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == [str(site / "patcher" / "templates" / "dsfix_safetensors.py"),
+                                str(site / "patcher" / "_fixtures" / "models" / "qwen3-narrow" / "config.json")]
