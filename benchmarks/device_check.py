@@ -113,7 +113,8 @@ class Log:
         self.write(out or "")
         if err:
             self.write(err)
-        self.write("[exit %s after %.1f s]\n" % ("timeout %.0f s" % timeout if code is None else code, time.time() - started))
+        ended = "timeout %.0f s" % timeout if code is None else code
+        self.write("[exit %s after %.1f s]\n" % (ended, time.time() - started))
         return code, out or ""
 
 
@@ -268,8 +269,8 @@ def stage_setup(check):
         else:
             pcode, _ = log.run(cmd, env, STAGE_TIMEOUT_S["setup"])
         ok &= pcode == 0
-        notes.append("%s: %s from %s (lacked %s)" % (sub, "installed" if pcode == 0 else "install failed, exit %s" % pcode,
-                                                     "the wheels" if check.args.wheels else "the index",
+        outcome = "installed" if pcode == 0 else "install failed, exit %s" % pcode
+        notes.append("%s: %s from %s (lacked %s)" % (sub, outcome, "the wheels" if check.args.wheels else "the index",
                                                      ", ".join(lacking)))
         if sub == "main":
             code, versions = check.child(log, "versions", check.args.device, *MAIN_MODULES)
@@ -313,8 +314,9 @@ def stage_smoke(check):
                                timeout=STAGE_TIMEOUT_S["smoke"])
     checks = {c["name"]: c for c in result.get("checks", [])}
     logits = checks.get("logits", {})
-    ok = (code == 0 and result.get("ok") is True and result.get("tensors") == 311 and result.get("device") == check.args.device
-          and logits.get("ok") is True and all(c["ok"] for c in checks.values()))
+    ok = (code == 0 and result.get("ok") is True and result.get("tensors") == 311
+          and result.get("device") == check.args.device and logits.get("ok") is True
+          and all(c["ok"] for c in checks.values()))
     failed = [n for n, c in checks.items() if not c["ok"]]
     figures = "%s tensors on %s, %d checks%s; %s" % (
         result.get("tensors"), result.get("device"), len(checks),
@@ -367,8 +369,8 @@ def stage_step1(check):
         folder = os.path.join(base, variant, "DeepSpeed-Chat")
         if upstream:
             top = os.path.abspath(upstream)  # not its .git, nor outputs and data of earlier runs at the top
-            shutil.copytree(upstream, folder, ignore=lambda here, names: [
-                n for n in names if n == ".git" or (os.path.abspath(here) == top and (n == "data" or n.startswith("output")))])
+            shutil.copytree(upstream, folder, ignore=lambda here, names: [n for n in names if n == ".git" or (
+                os.path.abspath(here) == top and (n == "data" or n.startswith("output")))])
             _write_upstream_data(folder)
         else:
             shutil.copytree(EXAMPLE_CHECKOUT, folder)
@@ -451,7 +453,8 @@ def stage_engine(check, ckpt):
     code, result = check.dsfix(log, "convert", folder, "--config", saved, "--output", converted, "--dtype", "bf16",
                                timeout=STAGE_TIMEOUT_S["engine"])
     if code != 0:
-        return check.row("engine checkpoint", False, "dsfix convert exit %s: %s" % (code, result.get("message")), started)
+        return check.row("engine checkpoint", False, "dsfix convert exit %s: %s" % (code, result.get("message")),
+                         started)
     _, (own,) = check.compare(log, (converted, os.path.join(ref, "reference.pt")))
     figures = "convert: %s; %s/%s bit-equal with the engine's weights" % (result.get("message"), own.get("equal"),
                                                                          own.get("total"))
@@ -470,7 +473,8 @@ def stage_bench(check):
                          "--json", results, "--tmpdir", check.work], check.env(), STAGE_TIMEOUT_S["bench"],
                         cwd=check.work)
     ratios = [line[2:].split(" (goal")[0] for line in out.splitlines() if line.startswith("- ") and " = " in line]
-    check.row("bench_save (%s)" % ("--quick" if check.cpu else "Qwen3-0.6B, 1 round, 5 methods"), code == 0 and bool(ratios),
+    check.row("bench_save (%s)" % ("--quick" if check.cpu else "Qwen3-0.6B, 1 round, 5 methods"),
+              code == 0 and bool(ratios),
               "; ".join(ratios) if ratios else "bench_save exit %s, no ratios (bench.log)" % code, started)
 
 
@@ -485,7 +489,8 @@ def write_summary(check, total_s):
     lines += ["- %s: %s" % (k, v) for k, v in facts.items() if v is not None]
     lines += ["- wall time: %.0f s" % total_s, "", "| stage | result | figures | seconds |", "|---|---|---|---|"]
     for r in check.rows:
-        lines.append("| %s | %s | %s | %.1f |" % (r["stage"], r["result"], r["figures"].replace("|", "\\|"), r["seconds"]))
+        figures = r["figures"].replace("|", "\\|")
+        lines.append("| %s | %s | %s | %.1f |" % (r["stage"], r["result"], figures, r["seconds"]))
     passed = all(r["result"] == "pass" for r in check.rows)
     lines += ["", "all rows pass" if passed else "FAILED: %s" % ", ".join(r["stage"] for r in check.rows
                                                                         if r["result"] != "pass")]
