@@ -69,7 +69,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-VERSION = 4
+VERSION = 5
 
 __all__ = [
     "VERSION", "DTYPES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_GATHER_BUCKET_MB", "FALLBACK_FOLDER", "INDEX_NAME",
@@ -708,13 +708,19 @@ def _is_weight_file(name):
 
 def _remove_leftovers(folder):
     """What killed saves left: staging folders of other processes, and the temporary weight files of
-    dsfix's earlier inline save (".NAME.PID.dsfix-tmp")."""
-    for name in os.listdir(folder):
+    dsfix's earlier inline save (".NAME.PID.dsfix-tmp"). Best-effort: the new save is in place already, and
+    what cannot go (a folder of such a name, another user's file in a shared folder) stays."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
         path = os.path.join(folder, name)
         if name.startswith(_STAGING_PREFIX) and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         elif name.startswith(".") and name.endswith(_OLD_TMP_SUFFIX) and _is_weight_file(name[1:].rsplit(".", 2)[0]):
-            os.remove(path)
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def _fsync_path(path):
