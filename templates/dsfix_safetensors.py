@@ -824,8 +824,10 @@ def _fallback(module, tensors, buckets, out_dir, rank, tokenizer, why):
                 for t in bucket:
                     if t.param is None:
                         state[t.name] = t.tensor.detach().to("cpu")  # no copy of a tensor on the CPU
-                    else:  # a tied alias takes its parameter's copy
-                        state[t.name] = copies.setdefault(id(t.param), t.param.data.detach().to("cpu").clone())
+                        continue
+                    if id(t.param) not in copies:  # gathered memory is let go after the bucket: one host copy
+                        copies[id(t.param)] = t.param.data.detach().to("cpu", copy=True)
+                    state[t.name] = copies[id(t.param)]  # a tied alias takes its parameter's copy
             except Exception as exc:
                 problem = exc
     if rank != 0:

@@ -815,6 +815,51 @@ def test_the_fallback_folder_converts_to_the_same_tensors(tmp_path, tiny_qwen3_h
     assert _same(loaded, model)
 
 
+class _Copies:
+    """Counts the copies torch makes (clone, _to_copy, copy_) while entered, through a dispatch mode: every
+    tensor copy, on any device, goes through one of them."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        copies, ops = [], (torch.ops.aten.clone, torch.ops.aten._to_copy, torch.ops.aten.copy_)
+
+        class Counting(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in ops:
+                    copies.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.copies, self._mode = copies, Counting()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_the_fallback_copies_each_gathered_parameter_once_and_a_tied_alias_never(tmp_path, device):
+    """A ZeRO-3 parameter's gathered memory is let go after its bucket, so the fallback keeps one host copy
+    of it, which a tied alias shares (no copy made and thrown away); from a GPU that copy is the one that
+    brings it to the host. A tensor that is not gathered is copied only when it is not on the host."""
+    weight = torch.randn(6, 4, device=device)
+    param = types.SimpleNamespace(data=weight, ds_status=types.SimpleNamespace(name="AVAILABLE"))
+    norm = torch.randn(4, device=device)
+    tensors = [M.PlannedTensor("embed.weight", weight.dtype, (6, 4), torch.empty(0), param),
+               M.PlannedTensor("lm_head.weight", weight.dtype, (6, 4), torch.empty(0), param),
+               M.PlannedTensor("norm.weight", norm.dtype, (4,), norm)]
+    with _Copies() as counted:
+        M._fallback(torch.nn.Module(), tensors, [tensors], str(tmp_path), 0, None, "why")
+    assert len(counted.copies) == 1 + (device != "cpu"), counted.copies
+    saved = torch.load(str(tmp_path / M.FALLBACK_FOLDER / "pytorch_model.bin"), weights_only=True)
+    assert torch.equal(saved["embed.weight"], weight.cpu()) and torch.equal(saved["norm.weight"], norm.cpu())
+    assert saved["lm_head.weight"].data_ptr() == saved["embed.weight"].data_ptr()  # one copy, saved once
+
+
 def test_a_dtype_safetensors_cannot_store_goes_to_the_fallback(tmp_path, tiny_qwen3):
     tiny_qwen3.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
     with pytest.raises(ValueError, match=r"^dsfix: safetensors cannot store phase \(torch.complex64\)$"):

@@ -309,7 +309,7 @@ def test_make_marker_is_read_back():
 # VERSION (so that `dsfix check` shows the upgrade on patched checkouts) and add its hash here.
 RELEASED = {
     4: "db866332492e344d5cec2077d7191acebfb2509651851768eba7e82e43e37658",
-    5: "0a642c1462f116e0237727caf24dea5857b588b05d72a91b8e76991a6e3c191b",
+    5: "076c11b3ccc9aa4460cb77e3c13e89a07d928f64fa26099607dbab2bc403683c",
 }
 
 
