@@ -860,6 +860,68 @@ def test_the_fallback_copies_each_gathered_parameter_once_and_a_tied_alias_never
     assert saved["lm_head.weight"].data_ptr() == saved["embed.weight"].data_ptr()  # one copy, saved once
 
 
+def _eio(path):
+    return OSError(errno.EIO, "Input/output error", path)
+
+
+def test_an_io_error_in_the_tokenizers_save_fails_the_save(tmp_path, tiny_qwen3_helper, tiny_qwen3_tokenizer,
+                                                           monkeypatch, capsys):
+    """The disk failing under save_pretrained is not a tokenizer without save_pretrained: no save_vocabulary
+    in its place (a save reported whole with part of its tokenizer), the previous save stays."""
+    before = _previous_save(tmp_path, tiny_qwen3_helper, tiny_qwen3_tokenizer)
+    model = tiny_qwen3_helper.tiny_qwen3_model(seed=6)
+
+    def save_pretrained(self, folder, *args, **kwargs):
+        raise _eio(os.path.join(folder, "tokenizer_config.json"))
+
+    monkeypatch.setattr(type(tiny_qwen3_tokenizer), "save_pretrained", save_pretrained)
+    with pytest.raises(OSError, match="Input/output error"):
+        M.save_hf_format(model, tiny_qwen3_tokenizer, str(tmp_path))
+    monkeypatch.undo()
+    assert {k: v for k, v in _files(tmp_path).items() if not k.startswith(M.FALLBACK_FOLDER)} == before
+    out = capsys.readouterr().out
+    assert "using save_vocabulary" not in out
+    assert "with config.json; not written: the tokenizer (Input/output error (" in out
+    assert sorted(os.listdir(tmp_path / M.FALLBACK_FOLDER)) == ["config.json", "pytorch_model.bin"]
+
+
+def test_a_fallback_that_fails_leaves_no_folder_nor_file_of_its_own(tmp_path, tiny_qwen3, monkeypatch, capsys):
+    tiny_qwen3.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
+
+    def save(obj, path, *args, **kwargs):
+        with open(path, "wb") as handle:
+            handle.write(b"half")
+        raise _eio(path)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(ValueError, match="cannot store phase"):
+        M.save_hf_format(tiny_qwen3, None, str(tmp_path))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    assert "FALLBACK FAILED" in capsys.readouterr().out
+
+
+def test_a_config_the_disk_cannot_take_is_left_out_of_the_fallback_not_half_written(tmp_path, tiny_qwen3,
+                                                                                    monkeypatch, capsys):
+    from transformers import PretrainedConfig
+
+    tiny_qwen3.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
+
+    def to_json_file(self, path, *args, **kwargs):
+        with open(path, "w") as handle:
+            handle.write("{half")
+        raise _eio(path)
+
+    monkeypatch.setattr(PretrainedConfig, "to_json_file", to_json_file)
+    with pytest.raises(ValueError, match="cannot store phase"):
+        M.save_hf_format(tiny_qwen3, None, str(tmp_path))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / M.FALLBACK_FOLDER) == ["pytorch_model.bin"]
+    out = capsys.readouterr().out
+    assert "without config.json (copy the model's config.json there); not written: config.json (Input/output " \
+           "error (" in out, out
+
+
 def test_a_dtype_safetensors_cannot_store_goes_to_the_fallback(tmp_path, tiny_qwen3):
     tiny_qwen3.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
     with pytest.raises(ValueError, match=r"^dsfix: safetensors cannot store phase \(torch.complex64\)$"):

@@ -44,16 +44,27 @@ def sweeps(tmp_path_factory, tiny_qwen3_helper, tiny_qwen3_tokenizer):
     return found
 
 
+def documented_calls():
+    """{operation: calls} from the table in docs/save-module.md, and the transformers version it was counted with."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "save-module.md"), encoding="utf-8").read()
+    rows = dict(re.findall(r"^\| (`save_hf_format`, ZeRO-0|`save_zero_three_model`, ZeRO-3|the fallback)[^|]* \| (\d+) \|",
+                           text, re.M))
+    return {k: int(v) for k, v in rows.items()}, re.search(r"The counts are with transformers (\S+) ", text).group(1)
+
+
 def test_the_recorded_runs_make_the_calls_the_table_in_the_docs_gives(sweeps):
+    import transformers
+
     zero0, fallback = sweeps["zero0"], sweeps["fallback"]
     assert zero0.baseline is None and sorted(os.listdir(zero0.out))[:2] == ["config.json", "generation_config.json"]
     assert fallback.baseline[0] == "ValueError" and "FALLBACK:" in fallback.expected_printed
-    assert len(zero0.calls) == 98 and len(fallback.calls) == 38
     kinds = {call.kind for call in zero0.calls}
     assert kinds == {"mkdir", "open", "write", "fsync", "rename", "rmtree", "unlink"}, kinds
-    table = open(os.path.join(os.path.dirname(__file__), "..", "docs", "save-module.md"), encoding="utf-8").read()
-    assert re.search(r"^\| `save_hf_format`, ZeRO-0 \| 98 \|", table, re.M)
-    assert re.search(r"^\| the fallback \| 38 \|", table, re.M)
+    rows, version = documented_calls()
+    assert set(rows) == {"`save_hf_format`, ZeRO-0", "`save_zero_three_model`, ZeRO-3", "the fallback"}
+    if transformers.__version__.startswith(version):  # the tokenizer's own calls vary with the version
+        assert len(zero0.calls) == rows["`save_hf_format`, ZeRO-0"]
+        assert len(fallback.calls) == rows["the fallback"]
 
 
 def _sweep(sweep, every, kills=True):

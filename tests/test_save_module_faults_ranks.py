@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.extended]
 pytest.importorskip("deepspeed")
 
 from smokekit import REPO, launch_ranks  # noqa: E402
+from test_save_module_faults import documented_calls  # noqa: E402
 
 DRIVER = REPO / "tests" / "faults_ranks.py"
 
@@ -24,5 +25,10 @@ def test_zero3_every_rank0_call_failed_with_each_errno_and_killed(tmp_path):
     summary = json.loads(found.group(1))
     rank1 = json.loads(re.search(r"^\[faults\] rank 1 (\{.*\})$", output, re.M).group(1))
     assert rank1["rank1_calls"] == 0, "rank 1 never touches the folder"
-    assert summary["calls"] == 98 and summary["kills"] == summary["calls"] and summary["cases"] > 2 * summary["calls"]
+    assert summary["kills"] == summary["calls"] and summary["cases"] > 2 * summary["calls"]
+    rows, version = documented_calls()
+    import transformers
+
+    if transformers.__version__.startswith(version):
+        assert summary["calls"] == rows["`save_zero_three_model`, ZeRO-3"]
     assert summary["problems"] == [], "\n".join(summary["problems"][:20])
