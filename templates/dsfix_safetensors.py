@@ -42,12 +42,15 @@ Why each step is safe
   ZeRO-3) leaves the previous save's files exactly as they were and nothing of the new one in place, and
   the error names the cause and the folder. Only a process killed outright (SIGKILL, power loss) during
   the final phase, a few renames long, can leave part of the new files in place; the previous ones are
-  then still in the hidden folder. The next save removes what a killed save left behind.
+  then in the hidden folder's `.replaced`, and the list of what the phase moves is written into the hidden
+  folder first, so that `dsfix verify` names what is in place. The next save completes the folder and removes what a killed save left behind.
+  Removing those leftovers is best-effort: it never fails a save that is in place.
 - Weights holding NaN or Inf are saved all the same (a diverged run's weights are still evidence), with
   one warning line naming the first such tensor.
 - If the save fails for any reason but the disk (no space, quota, read-only, file too large, permission
   denied), the weights are saved the way upstream saves them, `torch.save` of the same tensors to
-  `pytorch_model.bin` with `config.json`, in the subfolder `dsfix-fallback` of the output folder. One line
+  `pytorch_model.bin` with `config.json`, in the subfolder `dsfix-fallback` of the output folder (put
+  together in a hidden folder and moved into place the same way, so it is whole or not there). One line
   says so, and why, and that `dsfix convert OUTPUT/dsfix-fallback` turns it into safetensors; then the
   original error is raised.
 
@@ -96,7 +99,7 @@ _ORDER = {dtype: i for i, dtype in enumerate(DTYPES)}
 _DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM,
                 getattr(errno, "EDQUOT", errno.ENOSPC)}
 _STAGING_PREFIX = ".dsfix-save-"
-_OLD_TMP_SUFFIX = ".dsfix-tmp"  # the temporary files of dsfix's earlier inline save, and of the fallback
+_OLD_TMP_SUFFIX = ".dsfix-tmp"  # the temporary files of dsfix's earlier inline save, and of v4's fallback
 _JOURNAL = ".moving.json"  # in the staging folder: what its final phase moves (read by find_leftovers)
 _ASIDE = ".replaced"  # in the staging folder: the previous save's files, moved aside in the final phase
 _CONFIG_FILES = ("config.json", "generation_config.json")

@@ -309,7 +309,7 @@ def test_make_marker_is_read_back():
 # VERSION (so that `dsfix check` shows the upgrade on patched checkouts) and add its hash here.
 RELEASED = {
     4: "db866332492e344d5cec2077d7191acebfb2509651851768eba7e82e43e37658",
-    5: "0543986c06f0178a2b6ba39a2988ef62f62da7d7382e7387908089b4770f5276",
+    5: "ac6b2abb5162c423706ab6085277ef023dbefddcdf0f5593df585857e37b6bb0",
 }
 
 
