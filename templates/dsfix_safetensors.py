@@ -43,8 +43,8 @@ Why each step is safe
   the error names the cause and the folder. Only a process killed outright (SIGKILL, power loss) during
   the final phase, a few renames long, can leave part of the new files in place; the previous ones are
   then in the hidden folder's `.replaced`, and the list of what the phase moves is written into the hidden
-  folder first, so that `dsfix verify` names what is in place. The next save completes the folder and removes what a killed save left behind.
-  Removing those leftovers is best-effort: it never fails a save that is in place.
+  folder first, so that `dsfix verify` names what is in place. The next save completes the folder and
+  removes what a killed save left behind; that removal is best-effort: it never fails a save in place.
 - Weights holding NaN or Inf are saved all the same (a diverged run's weights are still evidence), with
   one warning line naming the first such tensor.
 - If the save fails for any reason but the disk (no space, quota, read-only, file too large, permission

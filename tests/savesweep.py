@@ -16,6 +16,7 @@ the problems it found as lines, an empty list when the outcome is the promised o
                   .replaced; the next save completes and leaves the folder exactly as a clean save does.
 """
 import contextlib
+import errno
 import io
 import os
 import re
@@ -29,8 +30,8 @@ from patcher.templates import dsfix_safetensors as M
 FALLBACK = M.FALLBACK_FOLDER
 
 
-
 def _also():
+    """C-level writers counted as one call each: torch.save (the fallback's pytorch_model.bin)."""
     import torch
 
     return [(torch, "save", "write")]
@@ -129,7 +130,7 @@ class Sweep:
             return self._succeeded_despite(where, failed, after)
         problems = []
         text = line if _outcome(exc) == self.baseline or broken else str(exc)
-        if "\n" in text.strip() or os.strerror(getattr(__import__("errno"), error)) not in text or failed.path not in text:
+        if "\n" in text.strip() or os.strerror(getattr(errno, error)) not in text or failed.path not in text:
             problems.append(f"{where}: the error is not one line naming the cause and the path: {text!r}")
         if _plain(after) != _plain(self.before) or {k: v for k, v in after.items() if k.startswith(".")} != \
                 {k: v for k, v in self.before.items() if k.startswith(".")}:

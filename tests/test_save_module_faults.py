@@ -47,8 +47,8 @@ def sweeps(tmp_path_factory, tiny_qwen3_helper, tiny_qwen3_tokenizer):
 def documented_calls():
     """{operation: calls} from the table in docs/save-module.md, and the transformers version it was counted with."""
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "save-module.md"), encoding="utf-8").read()
-    rows = dict(re.findall(r"^\| (`save_hf_format`, ZeRO-0|`save_zero_three_model`, ZeRO-3|the fallback)[^|]* \| (\d+) \|",
-                           text, re.M))
+    operations = r"`save_hf_format`, ZeRO-0|`save_zero_three_model`, ZeRO-3|the fallback"
+    rows = dict(re.findall(rf"^\| ({operations})[^|]* \| (\d+) \|", text, re.M))
     return {k: int(v) for k, v in rows.items()}, re.search(r"The counts are with transformers (\S+) ", text).group(1)
 
 
