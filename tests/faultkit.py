@@ -155,9 +155,14 @@ class Faults:
             self.failed = call
             raise OSError(self.error, os.strerror(self.error), path)
 
-    def _as_one(self, kind: str, func: str, real, path_of):
+    def _as_one(self, kind: str, func: str, real, path_of, quiet_of=lambda a, k: False):
         def wrapped(*args, **kwargs):
-            self._call(kind, func, path_of(args, kwargs))
+            try:
+                self._call(kind, func, path_of(args, kwargs))
+            except OSError:
+                if quiet_of(args, kwargs):  # shutil.rmtree(ignore_errors=True) swallows its own failures
+                    return None
+                raise
             self._inside.depth = getattr(self._inside, "depth", 0) + 1
             try:
                 return real(*args, **kwargs)
@@ -229,7 +234,8 @@ class Faults:
             (os, "mkdir"): on_path("mkdir", "os.mkdir"),
             (os, "chmod"): on_path("chmod", "os.chmod"),
             (shutil, "rmtree"): self._as_one("rmtree", "shutil.rmtree", shutil.rmtree,
-                                             lambda a, k: _path(a[0] if a else k.get("path"))),
+                                             lambda a, k: _path(a[0] if a else k.get("path")),
+                                             lambda a, k: bool(a[1] if len(a) > 1 else k.get("ignore_errors"))),
         }
         for module, attr, kind in self.also:
             name = f"{getattr(module, '__name__', module)}.{attr}"

@@ -194,7 +194,13 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
     folders = model_folders(path)
     for folder in folders:
         need_folder(folder)
-        weight_files(folder)
+        try:
+            weight_files(folder)
+        except DsfixError as e:  # a save killed between moving a file aside and its successor in
+            killed = leftover_check(folder)
+            if killed is None or killed.ok:
+                raise
+            raise DsfixError(f"{e.message}; {killed.detail}", path=e.path) from None
     if against is not None:
         from patcher.checkpoint.compare import is_bin_reference
 
@@ -206,6 +212,36 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
         if against is not None:
             return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
         return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True) for p in folders))
+
+
+def leftover_check(path) -> Optional[Check]:
+    """What killed saves of dsfix's save module left in ``path`` (its ``find_leftovers``), or None when there
+    is nothing. It fails when a save killed in its final phase left the folder mixing its files and the
+    previous save's, and names them: those in place, those missing, those moved aside."""
+    import os
+
+    from patcher.templates.dsfix_safetensors import find_leftovers
+
+    found = find_leftovers(str(path))
+    if not found:
+        return None
+    notes = []
+    for left in found:
+        where = os.path.relpath(left.path, str(path))
+        if not left.moving:
+            notes.append(f"{where}: left by a killed save, nothing of it in place (the next save removes it)")
+            continue
+        parts = [f"{where}: a save killed while moving its files into place"]
+        for label, names in (("its files in place", left.moved_in), ("not moved in", left.pending),
+                             ("missing", left.missing), (f"the previous save's, moved aside into {where}/.replaced",
+                                                         left.aside),
+                             ("the previous save's weight files still in place", left.stale)):
+            if names:
+                parts.append(f"{label}: {', '.join(names)}")
+        parts.append("the next save into this folder completes it" if left.mixed else
+                     "every file of the new save is in place (the next save removes the rest)")
+        notes.append("; ".join(parts))
+    return Check("leftovers", not any(left.mixed for left in found), " | ".join(notes))
 
 
 def compare_path(path, against, expect: Optional[int] = None, atol: float = 0.0, rtol: float = 0.0) -> VerifyResult:
@@ -268,6 +304,9 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite:
         checks.append(finite_check(folder, head))
     if tie_groups:
         checks.append(_tied_check(folder, head, tie_groups))
+    leftovers = leftover_check(folder)
+    if leftovers is not None:
+        checks.append(leftovers)
     if expect is not None:
         n = len(head.entries)
         checks.append(Check("count", n == expect, f"{n} tensors" + ("" if n == expect else f", expected {expect}")))
