@@ -197,7 +197,7 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
         try:
             weight_files(folder)
         except DsfixError as e:  # a save killed between moving a file aside and its successor in
-            killed = leftover_check(folder)
+            killed = leftover_check(folder) if _holds_dsfix_names(folder) else None
             if killed is None or killed.ok:
                 raise
             raise DsfixError(f"{e.message}; {killed.detail}", path=e.path) from None
@@ -212,6 +212,14 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
         if against is not None:
             return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
         return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True) for p in folders))
+
+
+def _holds_dsfix_names(folder: Path) -> bool:
+    """Whether ``folder`` or its fallback folder holds a hidden entry of dsfix's naming (a staging folder, a
+    temporary file), where a killed save may have left its files: only then is the save module imported to
+    read them (it imports torch), so that bad input is still answered before torch."""
+    return any(p.name.startswith(".") and "dsfix" in p.name
+               for where in (folder, folder / "dsfix-fallback") if where.is_dir() for p in where.iterdir())
 
 
 def leftover_check(path) -> Optional[Check]:
