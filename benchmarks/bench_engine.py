@@ -4,7 +4,11 @@
 Setup (not timed): 2 CPU ranks (gloo) build Qwen3-0.6B from the bundled config (random bf16 weights, tied
 embeddings), wrap it in a ZeRO-3 engine and call ``engine.save_checkpoint`` (``--steps`` training steps
 first, 0 by default: both tools read only the fp32 master weights, which the engine holds from the start).
-``--checkpoint DIR --model DIR`` skips the setup and uses a checkpoint and model folder that exist.
+``--producer trainer`` makes the checkpoint the way most users get one instead: the Hugging Face ``Trainer``
+with DeepSpeed ZeRO-3 in bf16 on the same 2 CPU ranks (fixtures/step1_trainer/hf_ckpt.py, ``--steps`` steps,
+1 at least, saved at the end), and converts its ``checkpoint-N/`` as a Trainer user does, with no ``--config``
+(the config is the checkpoint's own). ``--checkpoint DIR [--model DIR]`` skips the setup and uses a
+checkpoint (and model folder, for ``--config``) that exist.
 
 Methods, each in its own process, every written file fsynced:
 
@@ -29,6 +33,7 @@ included), which other work on the machine changes less than the wall time. The 
 with every run.
 
     python benchmarks/bench_engine.py                     # full Qwen3-0.6B, ZeRO-3, 2 ranks
+    python benchmarks/bench_engine.py --producer trainer  # the same model through the Trainer: checkpoint-1/
     python benchmarks/bench_engine.py --checkpoint CKPT --model MODEL_DIR
 """
 import argparse
@@ -73,6 +78,47 @@ METHODS = (  # key, label, argv ({ckpt}, {model}, {out}), output dtype
      ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16",
       "--strategy", "dedupe", "--no-load", "--json"], "bf16"),
 )
+# One conversion (bf16, clone, verified and reloaded: what a user runs) with each part timed where it runs:
+# the imports first, then the engine convert's own steps, each wrapped in a timer (no profiler overhead).
+PARTS = r'''
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+t2 = time.perf_counter()
+from patcher import cli
+from patcher.checkpoint import engine
+parts = {"import torch": t1 - t0, "import transformers (AutoConfig, AutoModelForCausalLM)": t2 - t1}
+def timed(module, name, label):
+    inner = getattr(module, name)
+    def wrapper(*a, **k):
+        start = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            parts[label] = parts.get(label, 0.0) + time.perf_counter() - start
+    setattr(module, name, wrapper)
+for name, label in (("open_checkpoint", "open the checkpoint (rank 0's files, refusals)"),
+                    ("load_config", "read config.json"),
+                    ("_plan", "plan: the config's model on meta, keys, shapes, ties"),
+                    ("_write", "write: read the partitions, cast, pwrite"),
+                    ("verify_folder", "checks of the written folder (headers, keys, tied bytes)"),
+                    ("load_check", "reload: from_pretrained, tied"),
+                    ("_wait_durable", "wait for the fsync thread")):
+    timed(engine, name, label)
+argv = sys.argv[1:]
+start = time.perf_counter()
+try:
+    cli.main(argv)
+except SystemExit as e:
+    code = e.code
+parts["convert, all of it (after the imports)"] = time.perf_counter() - start
+parts["process, all of it"] = time.perf_counter() - t0
+print(json.dumps(parts))
+'''
+
 RATIOS = (("dsfix_fp32", "z2f_fp32"), ("dsfix_fp32_noload", "z2f_fp32"), ("dsfix_bf16", "z2f_bf16"),
           ("dsfix_bf16_dedupe", "z2f_bf16"))
 
@@ -114,22 +160,31 @@ def run_child(args, cwd):
     return wall, cpu, {k: v / 1024.0 for k, v in peak.items()}, proc.returncode, stdout, stderr[-2000:]
 
 
-def make_checkpoint(work, steps):
-    """2 CPU ranks save a ZeRO-3 engine checkpoint of full-size Qwen3-0.6B; returns (checkpoint, model folder)."""
+def make_checkpoint(work, steps, producer="engine"):
+    """2 CPU ranks save a ZeRO-3 checkpoint of full-size Qwen3-0.6B, with engine.save_checkpoint or through the
+    Trainer; returns (checkpoint, model folder for --config, or None: the Trainer's checkpoint holds its config)."""
     from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group
 
     launcher = deepspeed_launcher()
     if launcher is None:
         raise SystemExit("the deepspeed launcher is not installed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),
-           os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "engine_ckpt.py"), "--output_dir", work,
-           "--stages", "3", "--config", FULL_CONFIG, "--steps", str(steps), "--freeze", "", "--no_reference"]
+    fixtures = os.path.join(REPO_ROOT, "fixtures", "step1_trainer")
+    if producer == "trainer":
+        steps = max(1, steps)
+        script = [os.path.join(fixtures, "hf_ckpt.py"), "--output_dir", work, "--runs", "trainer_z3_bf16",
+                  "--config", FULL_CONFIG, "--steps", str(steps), "--no_reference"]
+    else:
+        script = [os.path.join(fixtures, "engine_ckpt.py"), "--output_dir", work, "--stages", "3", "--config",
+                  FULL_CONFIG, "--steps", str(steps), "--freeze", "", "--no_reference"]
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port())] + script
     env = rank_env(nproc=2)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([REPO_ROOT, env.get("PYTHONPATH", "")]))
     code, output = run_group(cmd, env, 3600, cwd=REPO_ROOT)
     if code != 0:
         raise SystemExit("saving the checkpoint failed (%s):\n%s" % (code, output[-3000:]))
+    if producer == "trainer":
+        return os.path.join(work, "trainer_z3_bf16", "checkpoint-%d" % steps), None
     model = os.path.join(work, "model")
     os.makedirs(model)
     shutil.copyfile(FULL_CONFIG, os.path.join(model, "config.json"))
@@ -153,6 +208,9 @@ def run_method(key, argv, ckpt, model, work):
     """One run of one method: {wall_s, peak_mib, returncode, tensors or error, written_mib, load}."""
     out = os.path.join(work, "out-" + key)
     load = os.getloadavg()[0]
+    if model is None:  # the checkpoint's own config (the Trainer's checkpoint-N): no --config, as its user runs it
+        at = argv.index("{model}") if "{model}" in argv else None
+        argv = argv if at is None else argv[:at - 1] + argv[at + 1:]
     wall, cpu, peak, code, stdout, err = run_child([a.format(ckpt=ckpt, model=model, out=out) for a in argv], REPO_ROOT)
     entry = {"wall_s": wall, "cpu_s": cpu, "peak_mib": peak, "returncode": code, "load": load}
     if code == 0 and key.startswith("dsfix"):
@@ -187,12 +245,33 @@ def peak_keys(peaks):
     return {k: peaks[k] for k in ("VmRSS", "RssAnon", "RssFile")}
 
 
-def print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads):
+def run_parts(ckpt, model, work):
+    """One bf16 conversion with its parts timed (PARTS): {part: seconds}, or None when it failed."""
+    out = os.path.join(work, "out-parts")
+    argv = ["-c", PARTS, "convert", ckpt] + (["--config", model] if model else []) + [
+        "--output", out, "--dtype", "bf16", "--json"]
+    wall, cpu, peak, code, stdout, err = run_child(argv, REPO_ROOT)
+    shutil.rmtree(out, ignore_errors=True)
+    if code != 0:
+        print("the timed parts run failed: %s" % err[-500:], file=sys.stderr)
+        return None
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads, parts=None):
     print("## dsfix convert of a DeepSpeed engine checkpoint vs zero_to_fp32\n")
-    print("- command: `python benchmarks/bench_engine.py%s`" % ("" if not args.checkpoint else " --checkpoint CKPT --model MODEL"))
-    print("- checkpoint: %s, %.0f MiB (%s)" % ("Qwen3-0.6B (bundled config, random bf16 weights, tied), ZeRO-3, 2 CPU "
-                                             "ranks, %d training step(s)" % args.steps if not args.checkpoint else ckpt,
-                                             ckpt_mib, "saved in %.0f s, not timed" % setup_s))
+    print("- command: `python benchmarks/bench_engine.py%s`" % (
+        " --checkpoint CKPT" + (" --model MODEL" if args.model else "") if args.checkpoint
+        else (" --producer trainer" if args.producer == "trainer" else "") + " --rounds %d" % args.rounds))
+    if args.checkpoint:
+        what = ckpt
+    elif args.producer == "trainer":
+        what = ("Qwen3-0.6B (bundled config, random weights, tied), the Hugging Face Trainer's checkpoint-%d "
+                "(DeepSpeed ZeRO-3, bf16, 2 CPU ranks), converted without --config" % max(1, args.steps))
+    else:
+        what = ("Qwen3-0.6B (bundled config, random bf16 weights, tied), engine.save_checkpoint, ZeRO-3, 2 CPU ranks, "
+                "%d training step(s)" % args.steps)
+    print("- checkpoint: %s, %.0f MiB (saved in %.0f s, not timed)" % (what, ckpt_mib, setup_s))
     print("- machine: %s; load average %.1f-%.1f while it ran" % (facts, min(loads), max(loads)))
     print("- %d round(s), the methods alternated round by round, each run in its own process (imports included), "
           "the checkpoint in the page cache, every written file fsynced; wall s is the median\n" % args.rounds)
@@ -215,16 +294,28 @@ def print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads):
             print("- %s / %s: time %.2fx, CPU time %.2fx, peak RSS %.2fx" % (
                 ra["label"], rb["label"], ra["wall_s"] / rb["wall_s"], ra["cpu_s"] / rb["cpu_s"],
                 ra["peak_mib"]["VmRSS"] / rb["peak_mib"]["VmRSS"]))
+    if parts:
+        print("\nWhere one `dsfix convert --dtype bf16` (verified and reloaded) spends its wall time, each part timed "
+              "where it runs (the fsync runs on a thread beside the checks and the reload):\n")
+        print("| part | wall s |")
+        print("|---|---:|")
+        for name, seconds in parts.items():
+            print("| %s | %.2f |" % (name, seconds))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None, help="an engine checkpoint folder (skips the setup)")
-    parser.add_argument("--model", default=None, help="with --checkpoint: the model folder for --config")
+    parser.add_argument("--model", default=None, help="with --checkpoint: the model folder for --config (none: the "
+                        "checkpoint's own config.json, as in a Trainer's checkpoint-N)")
+    parser.add_argument("--producer", choices=("engine", "trainer"), default="engine", help="setup: a plain "
+                        "engine.save_checkpoint, or the Hugging Face Trainer's checkpoint-N (ZeRO-3, bf16)")
     parser.add_argument("--steps", type=int, default=0, help="training steps before the save (setup)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each method, alternated; the median is shown")
     parser.add_argument("--tmpdir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--parts", action="store_true", help="after the rounds, one more bf16 conversion with "
+                        "each of its parts timed")
     parser.add_argument("--methods", default=None, help="comma-separated keys of the methods to run (default: all): "
                         + ", ".join(m[0] for m in METHODS))
     args = parser.parse_args()
@@ -238,7 +329,8 @@ def main():
     runs = {m[0]: [] for m in chosen}
     try:
         t = time.perf_counter()
-        ckpt, model = (args.checkpoint, args.model) if args.checkpoint else make_checkpoint(work, args.steps)
+        ckpt, model = ((args.checkpoint, args.model) if args.checkpoint
+                       else make_checkpoint(work, args.steps, args.producer))
         setup_s = time.perf_counter() - t
         ckpt_mib = du_mib(ckpt)
         warm(ckpt)
@@ -250,15 +342,17 @@ def main():
                     round_ + 1, label, entry["wall_s"], entry["cpu_s"], entry["peak_mib"]["VmRSS"], entry["load"],
                     entry.get("error", "")),
                     file=sys.stderr, flush=True)
+        parts = run_parts(ckpt, model, work) if args.parts else None
     finally:
         facts = machine_facts(work)
         shutil.rmtree(work, ignore_errors=True)
     results = {key: summarize(label, dtype, runs[key]) for key, label, _, dtype in chosen if runs[key]}
     loads = [r["load"] for rs in runs.values() for r in rs] or [0.0]
-    print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads)
+    print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads, parts)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"results": results, "checkpoint_mib": ckpt_mib, "machine": facts, "rounds": args.rounds},
+            json.dump({"results": results, "checkpoint_mib": ckpt_mib, "machine": facts, "rounds": args.rounds,
+                       "parts": parts},
                       handle, indent=2)
     return 0 if all(r["returncode"] == 0 for k, r in results.items() if k != "z2f_safe") else 1
 

@@ -57,7 +57,10 @@ def build_model(config_path, device="cpu", seed=0):
     model.tie_weights()  # to_empty makes a new Parameter per module
     inner = getattr(model, "model", None)
     if getattr(inner, "rotary_emb", None) is not None:  # its buffers were left empty
-        inner.rotary_emb = type(inner.rotary_emb)(config=config, device=device)
+        try:
+            inner.rotary_emb = type(inner.rotary_emb)(config=config, device=device)
+        except TypeError:  # transformers 5.2x: no device parameter; built on the CPU, then moved
+            inner.rotary_emb = type(inner.rotary_emb)(config=config).to(device)
     generator = torch.Generator().manual_seed(seed)
     block_len, jitter = 1 << 22, 4093
     block = (torch.randn(block_len + jitter, generator=generator) * 0.02).to(torch.bfloat16).to(device)

@@ -60,7 +60,9 @@ app = typer.Typer(
     cls=_Group,
     add_completion=False,
     no_args_is_help=True,
-    help="Make DeepSpeed-Chat save tied-weight models (Qwen3 and friends) correctly, as safetensors.",
+    help="Make DeepSpeed-Chat save tied-weight models (Qwen3 and friends) correctly, as safetensors; convert "
+         "DeepSpeed checkpoints (DeepSpeed-Chat's, the Hugging Face Trainer's, accelerate's) into verified, tied "
+         "safetensors folders.",
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help: flags show no value placeholder
@@ -432,8 +434,10 @@ def verify(
                                             "or a step-3 output folder holding actor/, critic/, actor_ema/."),
     expect: Optional[int] = typer.Option(None, help="The number of tensors the file must hold (each folder's)."),
     load: bool = typer.Option(True, help="Also load the folder (from_pretrained; a critic into its module)."),
-    against: Optional[Path] = typer.Option(None, "--against", help="Compare with this reference model folder instead: "
-                                           "keys, shapes, dtypes, values (bit-equal unless --atol/--rtol), ties."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Compare with this reference model folder instead "
+                                           "(safetensors, or a pytorch_model.bin such as zero_to_fp32's, loaded "
+                                           "weights-only): keys, shapes, dtypes, values (bit-equal unless "
+                                           "--atol/--rtol), ties."),
     atol: float = typer.Option(0.0, "--atol", min=0.0, help="With --against: the absolute difference allowed."),
     rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="With --against: the difference allowed relative to the reference."),
     as_json: bool = JSON_OPT,
@@ -453,15 +457,19 @@ class OutDType(str, Enum):
     fp32 = "fp32"
 
 
-@app.command(short_help="Turn .bin or engine checkpoints into verified safetensors.",
-             help="Turn .bin weights or a DeepSpeed engine checkpoint into a verified safetensors folder. Exit 0: "
+@app.command(short_help="Turn .bin or DeepSpeed checkpoints into verified safetensors.",
+             help="Turn .bin weights or a DeepSpeed checkpoint (engine.save_checkpoint, the Hugging Face Trainer's "
+                  "checkpoint-N, accelerate's save_state, DeepSpeed-Chat) into a verified safetensors folder. Exit 0: "
                   "converted or nothing to convert, 1: a check failed (nothing written), 2: bad input or a refused "
                   "pickle.")
 @_command
 def convert(
-    folder: Path = typer.Argument(..., help="A DeepSpeed-Chat output folder with pytorch_model.bin (or a sharded .bin "
-                                            "index) and config.json, a step-3 folder holding actor/, critic/, actor_ema/, "
-                                            "or a DeepSpeed engine checkpoint (latest + global_stepN/, or global_stepN/)."),
+    folder: Path = typer.Argument(..., help="A DeepSpeed checkpoint (latest + global_stepN/, or global_stepN/): a "
+                                            "Trainer's checkpoint-N/, an accelerate save_state folder, an "
+                                            "engine.save_checkpoint folder; a Trainer's output folder (its last "
+                                            "checkpoint-N/ is converted); or a DeepSpeed-Chat output folder with "
+                                            "pytorch_model.bin (or a sharded .bin index) and config.json, or a step-3 "
+                                            "folder holding actor/, critic/, actor_ema/ (converted in place)."),
     strategy: Strategy = typer.Option(
         Strategy.clone, help=f"clone: a tied alias is written as its own copy, restored when the .bin lacks it "
         f"({BUNDLED_TENSORS} tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out "
@@ -469,11 +477,16 @@ def convert(
     ),
     remove_bin: bool = typer.Option(False, "--remove-bin", help="Remove the .bin files once the safetensors are in place."),
     load: bool = typer.Option(True, help="Also load the written folder (from_pretrained; a critic into its module)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Engine checkpoint: the model folder whose config.json, "
-                                          "generation config and tokenizer go with the weights."),
-    output: Optional[Path] = typer.Option(None, "--output", help="Engine checkpoint: the folder to write (new or empty)."),
-    tag: Optional[str] = typer.Option(None, "--tag", help="Engine checkpoint: the step folder to read (default: latest)."),
-    dtype: OutDType = typer.Option(OutDType.auto, help="Engine checkpoint: the weights' dtype (auto: config.json's)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="DeepSpeed checkpoint: the model folder whose config.json, "
+                                          "generation config and tokenizer go with the weights (default: the "
+                                          "checkpoint's own folder when it holds config.json, as the Trainer's "
+                                          "checkpoint-N does; accelerate's save_state and engine.save_checkpoint "
+                                          "need it)."),
+    output: Optional[Path] = typer.Option(None, "--output", help="DeepSpeed checkpoint: the folder to write (new or empty)."),
+    tag: Optional[str] = typer.Option(None, "--tag", help="DeepSpeed checkpoint: the step folder to read (default: "
+                                      "latest's); in a Trainer's output folder, the checkpoint-N to convert "
+                                      "(default: the last)."),
+    dtype: OutDType = typer.Option(OutDType.auto, help="DeepSpeed checkpoint: the weights' dtype (auto: config.json's)."),
     lora_scaling: Optional[float] = typer.Option(None, "--lora-scaling", help="Engine checkpoint of a DeepSpeed-Chat LoRA "
                                                  "run: the lora_scaling its layers were built with (default: step 1's 1)."),
     keep_lora: bool = typer.Option(False, "--keep-lora", help="Engine checkpoint of a LoRA run: also write the unfused "
@@ -484,11 +497,14 @@ def convert(
 
     need_folder(folder)
     require("convert")
-    from patcher.checkpoint import engine  # no torch yet: every input below is checked before it is imported
+    from patcher.checkpoint import engine, zero  # no torch yet: every input below is checked before it is imported
+    from patcher.checkpoint.convert import BIN_INDEX_NAME, BIN_NAME
+    from patcher.checkpoint.verify import model_folders
 
-    if engine.is_engine_checkpoint(folder):
+    bins = any((f / n).is_file() for f in model_folders(folder) for n in (BIN_NAME, BIN_INDEX_NAME))
+    if engine.is_engine_checkpoint(folder) or (not bins and zero.run_checkpoints(folder)):
         if remove_bin:
-            raise DsfixError("--remove-bin is for .bin output folders; a DeepSpeed engine checkpoint is left as it is")
+            raise DsfixError("--remove-bin is for .bin output folders; a DeepSpeed checkpoint is left as it is")
         if config is not None:
             need_folder(config)
         return engine.convert_engine(folder, config, output, tag=tag, dtype=dtype.value, strategy=strategy.value,
@@ -497,8 +513,10 @@ def convert(
                             ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None)) if v is not None]
     if given or dtype is not OutDType.auto:
         options = given or ["--dtype"]
-        raise DsfixError(f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} for DeepSpeed engine checkpoints "
-                         "(latest + global_stepN/); this is not one: a .bin folder is converted in place",
+        what = ("a .bin output folder is converted in place" if bins else
+                f"none here, nor .bin weights: found {zero.contents(folder)}")
+        raise DsfixError(f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} for DeepSpeed checkpoints "
+                         f"(latest, checkpoint-N/); {what}",
                          path=str(folder))
     from patcher.checkpoint.convert import convert as run_convert
 

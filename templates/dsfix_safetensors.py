@@ -42,12 +42,15 @@ Why each step is safe
   ZeRO-3) leaves the previous save's files exactly as they were and nothing of the new one in place, and
   the error names the cause and the folder. Only a process killed outright (SIGKILL, power loss) during
   the final phase, a few renames long, can leave part of the new files in place; the previous ones are
-  then still in the hidden folder. The next save removes what a killed save left behind.
+  then in the hidden folder's `.replaced`, and the list of what the phase moves is written into the hidden
+  folder first, so that `dsfix verify` names what is in place. The next save completes the folder and
+  removes what a killed save left behind; that removal is best-effort: it never fails a save in place.
 - Weights holding NaN or Inf are saved all the same (a diverged run's weights are still evidence), with
   one warning line naming the first such tensor.
 - If the save fails for any reason but the disk (no space, quota, read-only, file too large, permission
   denied), the weights are saved the way upstream saves them, `torch.save` of the same tensors to
-  `pytorch_model.bin` with `config.json`, in the subfolder `dsfix-fallback` of the output folder. One line
+  `pytorch_model.bin` with `config.json`, in the subfolder `dsfix-fallback` of the output folder (put
+  together in a hidden folder and moved into place the same way, so it is whole or not there). One line
   says so, and why, and that `dsfix convert OUTPUT/dsfix-fallback` turns it into safetensors; then the
   original error is raised.
 
@@ -69,12 +72,12 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-VERSION = 4
+VERSION = 5
 
 __all__ = [
     "VERSION", "DTYPES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_GATHER_BUCKET_MB", "FALLBACK_FOLDER", "INDEX_NAME",
     "SaveError", "save_hf_format", "save_zero_three_model", "find_overlap", "is_finite", "PlannedTensor",
-    "WeightFile", "layout_files", "WeightWriter",
+    "WeightFile", "layout_files", "WeightWriter", "Leftover", "find_leftovers",
 ]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
@@ -96,7 +99,9 @@ _ORDER = {dtype: i for i, dtype in enumerate(DTYPES)}
 _DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM,
                 getattr(errno, "EDQUOT", errno.ENOSPC)}
 _STAGING_PREFIX = ".dsfix-save-"
-_OLD_TMP_SUFFIX = ".dsfix-tmp"  # the temporary files of dsfix's earlier inline save
+_OLD_TMP_SUFFIX = ".dsfix-tmp"  # the temporary files of dsfix's earlier inline save, and of v4's fallback
+_JOURNAL = ".moving.json"  # in the staging folder: what its final phase moves (read by find_leftovers)
+_ASIDE = ".replaced"  # in the staging folder: the previous save's files, moved aside in the final phase
 _CONFIG_FILES = ("config.json", "generation_config.json")
 _CHECK_ELEMENTS = 1 << 24  # elements per step of the NaN/Inf check
 _HOST_CHUNK_BYTES = 64 * 1024**2  # how much of a tensor on a GPU is copied to the host at a time
@@ -616,25 +621,10 @@ class _Staging:
         return None
 
     def _publish(self):
-        """The final phase: each new file into place (the one it replaces kept aside), then the stale weight
-        files aside; all undone if a move fails. Ctrl-C and SIGTERM wait for it. Then the old files go."""
-        aside = os.path.join(self.path, ".replaced")
+        """The final phase (`_put_in_place`), then the staging folder goes, with the old files, and so do
+        what killed saves left."""
         stale = _stale_weight_files(self.out, self.weight_names)
-        moves = []
-        with _signals_held():
-            try:
-                os.mkdir(aside)
-                for name in self.weight_names + self.other_names:
-                    target = os.path.join(self.out, name)
-                    if os.path.lexists(target):
-                        _move(target, os.path.join(aside, name), moves)
-                    _move(os.path.join(self.path, name), target, moves)
-                for name in stale:
-                    _move(os.path.join(self.out, name), os.path.join(aside, name), moves)
-                _fsync_path(self.out)
-            except BaseException:
-                _undo(moves)
-                raise
+        _put_in_place(self.path, self.out, self.weight_names + self.other_names, stale)
         self.removed = stale
         self.discard()
         _remove_leftovers(self.out)
@@ -645,6 +635,29 @@ class _Staging:
         if self.writer is not None:
             self.writer.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _put_in_place(staging, folder, names, stale):
+    """Moves each of `names` from `staging` into `folder` in order (the file it replaces kept aside in
+    `staging`/.replaced), then the `stale` files aside, then fsyncs `folder`; all undone if one fails.
+    Ctrl-C and SIGTERM wait for it. What it moves is written down first, for find_leftovers."""
+    aside = os.path.join(staging, _ASIDE)
+    moves = []
+    with _signals_held():
+        try:
+            _write_text(os.path.join(staging, _JOURNAL), json.dumps({"in": names, "aside": stale}) + "\n")
+            os.mkdir(aside)
+            for name in names:
+                target = os.path.join(folder, name)
+                if os.path.lexists(target):
+                    _move(target, os.path.join(aside, name), moves)
+                _move(os.path.join(staging, name), target, moves)
+            for name in stale:
+                _move(os.path.join(folder, name), os.path.join(aside, name), moves)
+            _fsync_path(folder)
+        except BaseException:
+            _undo(moves)
+            raise
 
 
 def _move(source, target, moves):
@@ -682,6 +695,8 @@ def _stage_tokenizer(tokenizer, folder):
     try:
         tokenizer.save_pretrained(own)
     except Exception as exc:  # a tokenizer without save_pretrained, or an old one: upstream's own call
+        if isinstance(exc, OSError) and exc.errno is not None:  # the disk failed, not the tokenizer
+            raise
         _print(f"tokenizer.save_pretrained failed ({type(exc).__name__}: {exc}); using save_vocabulary")
         shutil.rmtree(own)
         os.mkdir(own)
@@ -706,15 +721,71 @@ def _is_weight_file(name):
     return single or shard
 
 
+class Leftover(NamedTuple):
+    """What a killed save left (`find_leftovers`): `path`, its staging folder or temporary file; `moving`,
+    whether it was killed in its final phase. Then, of the files that phase moves: `moved_in`, the killed
+    save's files now in place; `pending`, its files not yet moved in (in `path`), of which `missing` have no
+    file in place (the previous one is in `path`/.replaced); `aside`, the previous save's files moved into
+    `path`/.replaced; `stale`, the previous save's weight files it had yet to move aside. The folder mixes the
+    two saves when something was moved and something was not (`mixed`)."""
+    path: str
+    moving: bool = False
+    moved_in: tuple = ()
+    pending: tuple = ()
+    missing: tuple = ()
+    aside: tuple = ()
+    stale: tuple = ()
+
+    @property
+    def mixed(self):
+        return bool((self.moved_in or self.aside) and (self.pending or self.stale))
+
+
+def find_leftovers(folder):
+    """[Leftover] in `folder` and in its FALLBACK_FOLDER: staging folders of killed saves, and temporary
+    weight files (".NAME.PID.dsfix-tmp", of the fallback and of dsfix's earlier inline save)."""
+    found = []
+    for where in (folder, os.path.join(folder, FALLBACK_FOLDER)):
+        try:
+            names = sorted(os.listdir(where))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(where, name)
+            if name.startswith(_STAGING_PREFIX) and os.path.isdir(path):
+                found.append(_staging_leftover(where, path))
+            elif name.startswith(".") and name.endswith(_OLD_TMP_SUFFIX) and \
+                    _is_weight_file(name[1:].rsplit(".", 2)[0]) and not os.path.isdir(path):
+                found.append(Leftover(path))
+    return found
+
+
+def _staging_leftover(folder, path):
+    try:
+        with open(os.path.join(path, _JOURNAL), encoding="utf-8") as handle:
+            plan = json.load(handle)
+        moving, stale = [str(n) for n in plan["in"]], [str(n) for n in plan["aside"]]
+    except (OSError, ValueError, KeyError, TypeError):  # killed before its final phase: nothing of it in place
+        return Leftover(path)
+    try:
+        aside = tuple(sorted(os.listdir(os.path.join(path, _ASIDE))))
+    except OSError:
+        aside = ()
+    pending = tuple(n for n in moving if os.path.lexists(os.path.join(path, n)))
+    return Leftover(path, True, tuple(n for n in moving if n not in pending), pending,
+                    tuple(n for n in pending if not os.path.lexists(os.path.join(folder, n))), aside,
+                    tuple(n for n in stale if n not in aside and os.path.lexists(os.path.join(folder, n))))
+
+
 def _remove_leftovers(folder):
-    """What killed saves left: staging folders of other processes, and the temporary weight files of
-    dsfix's earlier inline save (".NAME.PID.dsfix-tmp")."""
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if name.startswith(_STAGING_PREFIX) and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith(".") and name.endswith(_OLD_TMP_SUFFIX) and _is_weight_file(name[1:].rsplit(".", 2)[0]):
-            os.remove(path)
+    """What killed saves left (find_leftovers). Best-effort: the new save is in place already, and what
+    cannot go (a folder of such a name, another user's file in a shared folder) stays."""
+    for leftover in find_leftovers(folder):
+        if os.path.basename(leftover.path).startswith(_STAGING_PREFIX):
+            shutil.rmtree(leftover.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(leftover.path)
 
 
 def _fsync_path(path):
@@ -818,8 +889,10 @@ def _fallback(module, tensors, buckets, out_dir, rank, tokenizer, why):
                 for t in bucket:
                     if t.param is None:
                         state[t.name] = t.tensor.detach().to("cpu")  # no copy of a tensor on the CPU
-                    else:  # a tied alias takes its parameter's copy
-                        state[t.name] = copies.setdefault(id(t.param), t.param.data.detach().to("cpu").clone())
+                        continue
+                    if id(t.param) not in copies:  # gathered memory is let go after the bucket: one host copy
+                        copies[id(t.param)] = t.param.data.detach().to("cpu", copy=True)
+                    state[t.name] = copies[id(t.param)]  # a tied alias takes its parameter's copy
             except Exception as exc:
                 problem = exc
     if rank != 0:
@@ -827,13 +900,15 @@ def _fallback(module, tensors, buckets, out_dir, rank, tokenizer, why):
     try:
         if problem is not None:
             raise problem
-        beside = _write_fallback(folder, state, module, tokenizer)
+        beside, missed = _write_fallback(folder, state, module, tokenizer)
     except Exception as exc:
         _print(f"FALLBACK FAILED: the save to {os.path.normpath(out_dir)} failed ({why}) and so did saving the "
                f"weights as pytorch_model.bin in {folder} ({_describe(exc)})")
         return folder
     with_what = f"with {' and '.join(beside)}" if "config.json" in beside else \
         "without config.json (copy the model's config.json there)"
+    if missed:
+        with_what += f"; not written: {', '.join(missed)}"
     _print(f"FALLBACK: the safetensors save to {os.path.normpath(out_dir)} failed ({why}); the weights are saved "
            f"as upstream saves them, {os.path.join(folder, 'pytorch_model.bin')}, {with_what}: "
            f"`dsfix convert {folder}` turns them into safetensors")
@@ -841,44 +916,77 @@ def _fallback(module, tensors, buckets, out_dir, rank, tokenizer, why):
 
 
 def _write_fallback(folder, state, module, tokenizer):
-    """pytorch_model.bin, then what can be written beside it (a failure there keeps the weights): returns
-    the names of those ("config.json", "the tokenizer")."""
+    """pytorch_model.bin, and what can be written beside it (config.json, the tokenizer: a failure there keeps
+    the weights), staged in a hidden folder inside `folder`, then put in place as the save's final phase
+    does, so a failure leaves `folder` as it was. Returns (what is beside the weights, what is not and why)."""
+    created = not os.path.isdir(folder)
     os.makedirs(folder, exist_ok=True)
-    target = os.path.join(folder, "pytorch_model.bin")
-    tmp = os.path.join(folder, f".pytorch_model.bin.{os.getpid()}{_OLD_TMP_SUFFIX}")
+    staging = os.path.join(folder, f"{_STAGING_PREFIX}{os.getpid()}")
     try:
-        torch.save(state, tmp)
-        _fsync_path(tmp)
-        os.replace(tmp, target)
+        if os.path.lexists(staging):  # left by a killed save of a process with this id
+            shutil.rmtree(staging)
+        os.mkdir(staging)
+        torch.save(state, os.path.join(staging, "pytorch_model.bin"))
+        names, beside, missed = ["pytorch_model.bin"], [], []
+        for what, write in (("config.json", lambda: _fallback_config(getattr(module, "config", None), staging)),
+                            ("the tokenizer", lambda: _fallback_tokenizer(tokenizer, staging))):
+            try:
+                written = write()
+            except Exception as exc:  # the weights are what matters here
+                missed.append(f"{what} ({_describe(exc)})")
+                continue
+            names += written
+            beside += [what] if written else []
+        for name in names:
+            _fsync_path(os.path.join(staging, name))
+        _put_in_place(staging, folder, names, [])
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    _remove_leftovers(folder)
+    return beside, missed
+
+
+def _fallback_tokenizer(tokenizer, staging):
+    """The tokenizer's files (`save_pretrained`) in a folder of their own, then moved up into `staging`;
+    their names. A failure removes those already moved up, then raises."""
+    if tokenizer is None:
+        return []
+    own, moved = os.path.join(staging, ".tokenizer"), []
+    try:
+        os.mkdir(own)
+        tokenizer.save_pretrained(own)
+        for name in sorted(os.listdir(own)):
+            if name != "pytorch_model.bin" and not os.path.lexists(os.path.join(staging, name)):
+                os.rename(os.path.join(own, name), os.path.join(staging, name))
+                moved.append(name)
+    except BaseException:
+        for name in moved:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(staging, name))
+        raise
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    beside = []
-    config = getattr(module, "config", None)
-    if config is not None and _fallback_config(config, os.path.join(folder, "config.json")):
-        beside.append("config.json")
-    if tokenizer is not None:
-        try:
-            tokenizer.save_pretrained(folder)
-            beside.append("the tokenizer")
-        except Exception:  # the weights are what matters here
-            pass
-    _fsync_path(folder)
-    return beside
+        shutil.rmtree(own, ignore_errors=True)
+    return moved
 
 
-def _fallback_config(config, path):
-    """config.json as upstream writes it, else the config's dictionary as JSON; whether either worked."""
+def _fallback_config(config, staging):
+    """config.json as upstream writes it, else (a config whose to_json_file fails, not the disk) its dictionary
+    as JSON; its name, or none without a config."""
+    if config is None:
+        return []
+    path = os.path.join(staging, "config.json")
     try:
         config.to_json_file(path)
-        return True
-    except Exception:
-        pass
-    try:
+    except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise
         _write_text(path, json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
-        return True
-    except Exception:
-        return False
+    return ["config.json"]
 
 
 # --------------------------------------------------------------------------- small helpers

@@ -16,8 +16,7 @@ A call is counted when its path lies inside one of ``roots``. The kinds (``KINDS
     fsync   os.fsync, os.fdatasync
     rename  os.rename, os.replace
     unlink  os.unlink, os.remove, os.rmdir
-    rmtree  shutil.rmtree (one call: the calls it makes itself are not counted; failed under ignore_errors=True,
-            it leaves the tree and raises nothing, as the real one does)
+    rmtree  shutil.rmtree (one call: the calls it makes itself are not counted)
     mkdir   os.mkdir (os.makedirs and tempfile.mkdtemp call it)
     chmod   os.chmod
 
@@ -161,7 +160,7 @@ class Faults:
             try:
                 self._call(kind, func, path_of(args, kwargs))
             except OSError:
-                if quiet_of(args, kwargs):  # rmtree(ignore_errors=True) never raises: it fails by leaving the tree
+                if quiet_of(args, kwargs):  # shutil.rmtree(ignore_errors=True) swallows its own failures
                     return None
                 raise
             self._inside.depth = getattr(self._inside, "depth", 0) + 1

@@ -30,25 +30,45 @@ ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capi
     ("convert: no such folder", ["convert", "MISSING"], 2, "dsfix: error: MISSING: no such folder"),
     ("convert: a file", ["convert", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
     ("convert: an empty folder", ["convert", "EMPTY"], 2,
-     "dsfix: error: EMPTY: no pytorch_model.bin (or its index) here nor in actor/, critic/, actor_ema/, and no "
-     "DeepSpeed checkpoint (latest, global_stepN/)"),
+     "dsfix: error: EMPTY: no pytorch_model.bin (also not in actor/, critic/, actor_ema/), no latest, no "
+     "checkpoint-N/; found an empty folder"),
     ("convert: two engine options on a .bin folder", ["convert", "BINS", "--config", "EMPTY", "--output", "EMPTY"], 2,
-     "dsfix: error: BINS: --config, --output are for DeepSpeed engine checkpoints (latest + global_stepN/); this is "
-     "not one: a .bin folder is converted in place"),
+     "dsfix: error: BINS: --config, --output are for DeepSpeed checkpoints (latest, checkpoint-N/); a .bin output "
+     "folder is converted in place"),
     ("convert: an engine option on a .bin folder", ["convert", "BINS", "--dtype", "bf16"], 2,
-     "dsfix: error: BINS: --dtype is for DeepSpeed engine checkpoints (latest + global_stepN/); this is not one: "
-     "a .bin folder is converted in place"),
+     "dsfix: error: BINS: --dtype is for DeepSpeed checkpoints (latest, checkpoint-N/); a .bin output folder is "
+     "converted in place"),
+    ("convert: an engine option on a folder of neither kind", ["convert", "KEPT", "--output", "EMPTY/out"], 2,
+     "dsfix: error: KEPT: --output is for DeepSpeed checkpoints (latest, checkpoint-N/); none here, nor .bin "
+     "weights: found DeepSpeed-Chat/"),
     ("convert: no config.json", ["convert", "BINS"], 2,
      "dsfix: error: BINS: no config.json: convert needs the model's config to check the weights"),
     ("convert: already safetensors", ["convert", "SAFETENSORS"], 0,
      "nothing to convert in SAFETENSORS: it is already safetensors (model.safetensors)"),
-    ("convert: an engine checkpoint without --config", ["convert", "ENGINE"], 2,
-     "dsfix: error: ENGINE: a DeepSpeed engine checkpoint, without config or tokenizer: convert needs --config "
-     "MODEL_DIR (config.json, tokenizer) and --output OUT_DIR"),
+    ("convert: an engine checkpoint without --output", ["convert", "ENGINE"], 2,
+     "dsfix: error: ENGINE: a DeepSpeed checkpoint is converted into a new folder: convert needs --output OUT_DIR "
+     "(new or empty)"),
+    ("convert: an engine checkpoint without config.json", ["convert", "ENGINE", "--output", "EMPTY/out"], 2,
+     "dsfix: error: ENGINE: no config.json here (engine.save_checkpoint writes none): convert needs --config "
+     "MODEL_DIR, the model's folder"),
+    ("convert: accelerate's save_state without --config", ["convert", "ACCEL", "--output", "EMPTY/out"], 2,
+     "dsfix: error: ACCEL: no config.json here (accelerate's save_state writes none): convert needs --config "
+     "MODEL_DIR, the model's folder"),
+    ("convert: a Trainer run's last checkpoint without config.json", ["convert", "RUN", "--output", "EMPTY/out"], 2,
+     "dsfix: error: RUN/checkpoint-10: no config.json here (this checkpoint-N has none): convert needs --config "
+     "MODEL_DIR, the model's folder"),
+    ("convert: a Trainer run, --tag a checkpoint it lacks", ["convert", "RUN", "--tag", "checkpoint-9"], 2,
+     "dsfix: error: RUN: --tag checkpoint-9: no such checkpoint here; the run saved checkpoint-2, checkpoint-10"),
+    ("convert: a Trainer run, --tag a step folder", ["convert", "RUN", "--tag", "global_step2"], 2,
+     "dsfix: error: RUN: --tag global_step2: here --tag names a checkpoint-N (checkpoint-2, checkpoint-10); for a "
+     "step, give that checkpoint-N"),
+    ("convert: a Trainer run without DeepSpeed", ["convert", "PLAINRUN", "--output", "EMPTY/out"], 2,
+     "dsfix: error: PLAINRUN: checkpoint-3 holds no DeepSpeed checkpoint (no latest): found config.json, "
+     "model.safetensors, trainer_state.json"),
     ("convert: --config names a file", ["convert", "ENGINE", "--config", "FILE", "--output", "EMPTY/out"], 2,
      f"dsfix: error: FILE: {FILE_RULE}"),
     ("convert: --remove-bin on an engine checkpoint", ["convert", "ENGINE", "--remove-bin"], 2,
-     "dsfix: error: --remove-bin is for .bin output folders; a DeepSpeed engine checkpoint is left as it is"),
+     "dsfix: error: --remove-bin is for .bin output folders; a DeepSpeed checkpoint is left as it is"),
     ("smoke: a file", ["smoke", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
     ("smoke: --config names a folder", ["smoke", "PATCHED", "--config", "EMPTY"], 2,
      "dsfix: error: EMPTY: is a folder; --config names a config.json (--model takes a model folder)"),
@@ -106,7 +126,8 @@ def _paths(tmp_path) -> dict:
 
     made = {"MISSING": tmp_path / "no" / "such", "FILE": tmp_path / "notes.txt", "EMPTY": tmp_path / "empty",
             "BINS": tmp_path / "bins", "SAFETENSORS": tmp_path / "st", "ENGINE": tmp_path / "ckpt",
-            "KEPT": tmp_path / "kept"}
+            "KEPT": tmp_path / "kept", "ACCEL": tmp_path / "state", "RUN": tmp_path / "run",
+            "PLAINRUN": tmp_path / "plainrun"}
     made["FILE"].write_text("not a folder\n")
     for key in ("EMPTY", "BINS", "SAFETENSORS", "KEPT"):
         made[key].mkdir()
@@ -117,6 +138,20 @@ def _paths(tmp_path) -> dict:
     (made["ENGINE"] / "latest").write_text("global_step1")
     (made["ENGINE"] / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"")
     (made["KEPT"] / "DeepSpeed-Chat").mkdir()
+    # accelerate's save_state with a DeepSpeed plugin: latest names pytorch_model/, random_states_R.pkl beside it
+    (made["ACCEL"] / "pytorch_model").mkdir(parents=True)
+    (made["ACCEL"] / "latest").write_text("pytorch_model")
+    (made["ACCEL"] / "pytorch_model" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (made["ACCEL"] / "random_states_0.pkl").write_bytes(b"")
+    for n in (2, 10):  # a Trainer run folder whose checkpoints lack config.json; the last is checkpoint-10, not -2
+        step = made["RUN"] / f"checkpoint-{n}" / f"global_step{n}"
+        step.mkdir(parents=True)
+        (step.parent / "latest").write_text(step.name)
+        (step.parent / "trainer_state.json").write_text("{}")
+        (step / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (made["PLAINRUN"] / "checkpoint-3").mkdir(parents=True)  # a Trainer run without DeepSpeed
+    for name in ("config.json", "model.safetensors", "trainer_state.json"):
+        (made["PLAINRUN"] / "checkpoint-3" / name).write_text("{}")
     made["UNPATCHED"] = copy_fixture("package", tmp_path / "unpatched")
     made["PATCHED"] = copy_fixture("package", tmp_path / "patched")
     flow.apply(made["PATCHED"])

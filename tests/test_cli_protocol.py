@@ -262,7 +262,7 @@ def _help(*args) -> str:
 
 
 @pytest.mark.parametrize("args, says", [
-    ((), ["convert Turn .bin or engine checkpoints into verified safetensors. smoke"]),  # the line not cut short
+    ((), ["convert Turn .bin or DeepSpeed checkpoints into verified safetensors. smoke"]),  # the line not cut short
     (("smoke",), ["--dtype <bf16|fp16|fp32> The dtype the model is built, trained and saved in.",
                   "1-3 wrap the model in a DeepSpeed ZeRO engine of that stage (needs DeepSpeed)",
                   "2 or more need DeepSpeed"]),

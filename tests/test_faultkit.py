@@ -69,6 +69,18 @@ def test_every_kind_is_failed_with_eio_and_writes_with_enospc():
     assert all("ENOSPC" in ERRNOS[k] for k in ("open", "write", "mkdir"))
 
 
+def test_a_failed_rmtree_that_ignores_errors_raises_nothing_and_removes_nothing(tmp_path):
+    """shutil.rmtree(ignore_errors=True) swallows its own failures: the failed call leaves the tree, quietly."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "f").write_text("x")
+    with Faults(roots=[tmp_path], fail_at=0) as faults:
+        shutil.rmtree(tmp_path / "a", ignore_errors=True)
+    assert faults.failed is not None and (tmp_path / "a" / "f").read_text() == "x"
+    with pytest.raises(OSError):
+        with Faults(roots=[tmp_path], fail_at=0):
+            shutil.rmtree(tmp_path / "a")
+
+
 def test_kills_the_process_right_before_the_nth_call(tmp_path):
     pid = os.fork()
     if pid == 0:  # the child: killed before its fifth call (the fsync), so f.txt is there, g.bin is not

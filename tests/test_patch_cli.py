@@ -161,6 +161,34 @@ def test_an_inline_block_of_an_earlier_release_is_upgraded(tmp_path, name, state
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name, state", [("v4-package", True), ("v4-package", False), ("v4-fork-keeps-lora", True)])
+def test_the_save_module_of_an_earlier_release_is_upgraded(tmp_path, name, state):
+    """A checkout patched by the release with save module v4 gets the new module file and the wrappers' new
+    marker from apply, with or without its state folder; revert gives back what was there before."""
+    co = tmp_path / "co"
+    shutil.copytree(OLD_PATCHES / name / "checkout", co)
+    if state:
+        shutil.copytree(OLD_PATCHES / name / "state", co / ".dsfix")
+    module = co / "dschat" / "utils" / "dsfix_safetensors.py"
+    assert b"\nVERSION = 4\n" in module.read_bytes()
+    patched = snapshot(co)
+    code, diff, err = cli("check", co)
+    assert code == 1 and b"-VERSION = 4" in diff and f"+VERSION = {module_version()}".encode() in diff
+    assert f"save module v4 -> v{module_version()}" in err and f"template v4 -> v{module_version()}" in err
+    assert cli("apply", co)[0] == 0
+    assert module.read_bytes() == module_bytes()
+    utils = (co / "dschat" / "utils" / "utils.py").read_bytes()
+    assert utils.count(b"def save_hf_format_safetensors(") == 1 and f"template=v{module_version()}".encode() in utils
+    assert (b"drop=lambda name: False" in utils) is ("keeps-lora" in name)
+    assert cli("check", co)[0] == 0
+    assert cli("revert", co)[0] == 0
+    if state:  # back to the checkout as it was before the first apply
+        assert snapshot(co) == snapshot(FIXTURES / name[3:])
+    else:  # the v4 patch was taken as the original
+        assert snapshot(co) == patched
+
+
+@pytest.mark.slow
 def test_upstreams_utils_gets_at_most_30_lines_and_one_new_file(tmp_path):
     """Whoever opens their utils.py reads dsfix's change: the import, the marker and the two wrappers; the
     writer is a file of its own beside it."""

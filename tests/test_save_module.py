@@ -111,7 +111,7 @@ def test_the_module_is_plain_python_3_9_with_its_public_api():
              for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) and node not in tree.body
              for alias in node.names}
     assert inner == {"deepspeed", "deepspeed.accelerator"}, inner
-    assert re.findall(r"^VERSION = (\d+)$", source, re.M) == ["4"] and M.VERSION == 4
+    assert re.findall(r"^VERSION = (\d+)$", source, re.M) == ["5"] and M.VERSION == 5
     assert "numpy" not in source.replace("never numpy", "").replace("no numpy", "")
     assert all(hasattr(M, name) for name in M.__all__)
     for node in ast.walk(tree):
@@ -815,6 +815,113 @@ def test_the_fallback_folder_converts_to_the_same_tensors(tmp_path, tiny_qwen3_h
     assert _same(loaded, model)
 
 
+class _Copies:
+    """Counts the copies torch makes (clone, _to_copy, copy_) while entered, through a dispatch mode: every
+    tensor copy, on any device, goes through one of them."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        copies, ops = [], (torch.ops.aten.clone, torch.ops.aten._to_copy, torch.ops.aten.copy_)
+
+        class Counting(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in ops:
+                    copies.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.copies, self._mode = copies, Counting()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_the_fallback_copies_each_gathered_parameter_once_and_a_tied_alias_never(tmp_path, device):
+    """A ZeRO-3 parameter's gathered memory is let go after its bucket, so the fallback keeps one host copy
+    of it, which a tied alias shares (no copy made and thrown away); from a GPU that copy is the one that
+    brings it to the host. A tensor that is not gathered is copied only when it is not on the host."""
+    weight = torch.randn(6, 4, device=device)
+    param = types.SimpleNamespace(data=weight, ds_status=types.SimpleNamespace(name="AVAILABLE"))
+    norm = torch.randn(4, device=device)
+    tensors = [M.PlannedTensor("embed.weight", weight.dtype, (6, 4), torch.empty(0), param),
+               M.PlannedTensor("lm_head.weight", weight.dtype, (6, 4), torch.empty(0), param),
+               M.PlannedTensor("norm.weight", norm.dtype, (4,), norm)]
+    with _Copies() as counted:
+        M._fallback(torch.nn.Module(), tensors, [tensors], str(tmp_path), 0, None, "why")
+    assert len(counted.copies) == 1 + (device != "cpu"), counted.copies
+    saved = torch.load(str(tmp_path / M.FALLBACK_FOLDER / "pytorch_model.bin"), weights_only=True)
+    assert torch.equal(saved["embed.weight"], weight.cpu()) and torch.equal(saved["norm.weight"], norm.cpu())
+    assert saved["lm_head.weight"].data_ptr() == saved["embed.weight"].data_ptr()  # one copy, saved once
+
+
+def _eio(path):
+    return OSError(errno.EIO, "Input/output error", path)
+
+
+def test_an_io_error_in_the_tokenizers_save_fails_the_save(tmp_path, tiny_qwen3_helper, tiny_qwen3_tokenizer,
+                                                           monkeypatch, capsys):
+    """The disk failing under save_pretrained is not a tokenizer without save_pretrained: no save_vocabulary
+    in its place (a save reported whole with part of its tokenizer), the previous save stays."""
+    before = _previous_save(tmp_path, tiny_qwen3_helper, tiny_qwen3_tokenizer)
+    model = tiny_qwen3_helper.tiny_qwen3_model(seed=6)
+
+    def save_pretrained(self, folder, *args, **kwargs):
+        raise _eio(os.path.join(folder, "tokenizer_config.json"))
+
+    monkeypatch.setattr(type(tiny_qwen3_tokenizer), "save_pretrained", save_pretrained)
+    with pytest.raises(OSError, match="Input/output error"):
+        M.save_hf_format(model, tiny_qwen3_tokenizer, str(tmp_path))
+    monkeypatch.undo()
+    assert {k: v for k, v in _files(tmp_path).items() if not k.startswith(M.FALLBACK_FOLDER)} == before
+    out = capsys.readouterr().out
+    assert "using save_vocabulary" not in out
+    assert "with config.json; not written: the tokenizer (Input/output error (" in out
+    assert sorted(os.listdir(tmp_path / M.FALLBACK_FOLDER)) == ["config.json", "pytorch_model.bin"]
+
+
+def test_a_fallback_that_fails_leaves_no_folder_nor_file_of_its_own(tmp_path, tiny_qwen3, monkeypatch, capsys):
+    tiny_qwen3.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
+
+    def save(obj, path, *args, **kwargs):
+        with open(path, "wb") as handle:
+            handle.write(b"half")
+        raise _eio(path)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(ValueError, match="cannot store phase"):
+        M.save_hf_format(tiny_qwen3, None, str(tmp_path))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    assert "FALLBACK FAILED" in capsys.readouterr().out
+
+
+def test_a_config_the_disk_cannot_take_is_left_out_of_the_fallback_not_half_written(tmp_path, tiny_qwen3,
+                                                                                    monkeypatch, capsys):
+    from transformers import PretrainedConfig
+
+    tiny_qwen3.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
+
+    def to_json_file(self, path, *args, **kwargs):
+        with open(path, "w") as handle:
+            handle.write("{half")
+        raise _eio(path)
+
+    monkeypatch.setattr(PretrainedConfig, "to_json_file", to_json_file)
+    with pytest.raises(ValueError, match="cannot store phase"):
+        M.save_hf_format(tiny_qwen3, None, str(tmp_path))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / M.FALLBACK_FOLDER) == ["pytorch_model.bin"]
+    out = capsys.readouterr().out
+    assert "without config.json (copy the model's config.json there); not written: config.json (Input/output " \
+           "error (" in out, out
+
+
 def test_a_dtype_safetensors_cannot_store_goes_to_the_fallback(tmp_path, tiny_qwen3):
     tiny_qwen3.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
     with pytest.raises(ValueError, match=r"^dsfix: safetensors cannot store phase \(torch.complex64\)$"):
@@ -900,6 +1007,38 @@ def test_what_killed_saves_left_is_removed(tmp_path, tiny_qwen3):
         (tmp_path / name).write_bytes(b"torn")
     M.save_hf_format(tiny_qwen3, None, str(tmp_path))
     assert _hidden(tmp_path) == [".mine.dsfix-tmp"]  # not a weight file's: not dsfix's to remove
+
+
+def _remove_refused(monkeypatch, name):
+    """os.remove of ``name`` fails as in a sticky shared folder whose file another user owns."""
+    real = os.remove
+
+    def remove(path, *args, **kwargs):
+        if os.path.basename(path) == name:
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", remove)
+
+
+@pytest.mark.parametrize("how", ["a folder of that name", "EPERM"])
+def test_a_leftover_that_cannot_be_removed_leaves_the_save_a_success(tmp_path, tiny_qwen3_helper, monkeypatch,
+                                                                     capsys, how):
+    """The leftovers of an older dsfix go after the new save is in place: removing them is best-effort, and a
+    save that succeeded is never reported as failed (nor does it write the fallback)."""
+    name = ".model.safetensors.4242.dsfix-tmp"
+    if how == "EPERM":
+        (tmp_path / name).write_bytes(b"torn")
+        _remove_refused(monkeypatch, name)
+    else:
+        (tmp_path / name).mkdir()
+    model = tiny_qwen3_helper.tiny_qwen3_model(seed=8)
+    M.save_hf_format(model, None, str(tmp_path))
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [name, "config.json", "generation_config.json", "model.safetensors"]
+    assert _same(load_file(str(tmp_path / "model.safetensors")), model)
+    out = capsys.readouterr().out
+    assert "FALLBACK" not in out and f"saved weights to {tmp_path / 'model.safetensors'}" in out
 
 
 def test_stale_weight_files_are_removed(tmp_path, tiny_qwen3, capsys):

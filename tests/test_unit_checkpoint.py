@@ -196,8 +196,8 @@ def test_verify_refuses_before_reading(tmp_path, make, message, entry):
     (lambda p: p / "nope", {}, "no such folder"),
     (lambda p: write(p, {"f": ""}) / "f", {}, "is a file, not a folder; pass the folder that holds it"),
     (lambda p: write(p, {"notes.txt": ""}), {},
-     "no pytorch_model.bin (or its index) here nor in actor/, critic/, actor_ema/, and no DeepSpeed checkpoint "
-     "(latest, global_stepN/)"),
+     "no pytorch_model.bin (also not in actor/, critic/, actor_ema/), no latest, no checkpoint-N/; found "
+     "notes.txt"),
     (lambda p: write(p, {"pytorch_model.bin": ""}), {},
      "no config.json: convert needs the model's config to check the weights"),
     (lambda p: write(p, {"pytorch_model.bin.index.json": {"weight_map": {"a": "../x.bin"}}}), {},

@@ -309,6 +309,7 @@ def test_make_marker_is_read_back():
 # VERSION (so that `dsfix check` shows the upgrade on patched checkouts) and add its hash here.
 RELEASED = {
     4: "db866332492e344d5cec2077d7191acebfb2509651851768eba7e82e43e37658",
+    5: "d6979c1b9668ba3cfa583e82a1423c445ed983f1078d27ca647a0f804ec61e3b",
 }
 
 

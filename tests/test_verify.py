@@ -266,4 +266,4 @@ def test_the_cli_shows_no_third_party_progress_bar(tmp_path, model):
     err = p.stderr.decode()
     assert p.returncode == 0, err[-2000:]
     assert "%|" not in err and "Loading" not in err and "Warning" not in err, err
-    assert err.rstrip().endswith("all checks hold: 311 tensors, causal LM (step-1 model, step-3 actor or EMA)")
+    assert err.rstrip().endswith("all checks hold: 311 tensors, causal LM (a Trainer's or accelerate's model, DeepSpeed-Chat's step-1 model or step-3 actor/EMA)")

@@ -7,7 +7,10 @@ A tied alias (``lm_head.weight`` when config.json ties it) may be stored on one 
 side lacking it is compared through its partner, and wherever a folder stores both they must be bit-equal.
 
 Memory stays bounded: the headers are read first, then one pair of tensors at a time, a block of rows at a
-time (64 MiB of each side at most), from memory-mapped safetensors files. The report names the first
+time (64 MiB of each side at most), from memory-mapped safetensors files. The reference may also be a
+``pytorch_model.bin`` folder (what ``zero_to_fp32`` writes, or a sharded ``.bin`` index): it is loaded
+weights-only and memory-mapped by ``dsfix convert``'s own loader (:func:`patcher.checkpoint.convert.load_bin`),
+so a pickle that needs code to load is refused and nothing of it runs. The report names the first
 difference: the first failing check (keys, shapes, dtypes, values, tied) and its first tensor in name
 order; exit 1 when there is one.
 """
@@ -20,7 +23,8 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from patcher.checkpoint.checks import (
-    BLOCK_BYTES, Check, Header, examples, load_config, read_headers, row_blocks, shape_text, weight_files,
+    BLOCK_BYTES, INDEX_NAME, Check, Header, dtype_code, examples, load_config, read_headers, row_blocks, shape_text,
+    weight_files,
 )
 from patcher.checkpoint.verify import VerifyReport, expected_of, folder_kind, meta_model, same_bits
 from patcher.errors import DsfixError, refuse_file
@@ -71,21 +75,23 @@ class CompareReport(VerifyReport):
 
 
 def compare_folders(path, against, atol: float = 0.0, rtol: float = 0.0) -> CompareReport:
-    """Compare the model folder ``path`` with ``against``. Raises DsfixError (code 2) on bad input."""
+    """Compare the model folder ``path`` with ``against`` (safetensors, or a ``.bin`` reference). Raises
+    DsfixError (code 2) on bad input."""
     folder, ref = _folder(path, "the folder"), _folder(against, "--against")
-    head, ref_head = _headers(folder), _headers(ref)
+    loaded: dict = {}  # (folder, .bin file) -> its state dict, for a .bin reference
+    head, ref_head = _headers(folder), _headers(ref, loaded)
     groups = _tie_groups(folder, ref, head)
     partner = {k: [o for o in g if o != k] for g in groups for k in g}
     pairs, keys = _pairs(head, ref_head, partner)
     checks = [Check("files", True, f"{len(head.entries)} tensors in {examples(head.files)}; {len(ref_head.entries)} "
                                    f"in {ref}'s {examples(ref_head.files)}"), keys]
-    rows = _compare_values(folder, ref, head, ref_head, pairs, atol, rtol)
+    rows = _compare_values(folder, ref, head, ref_head, pairs, atol, rtol, loaded)
     for name, what in (("shapes", "shape"), ("dtypes", "dtype"), ("values", "values")):
         bad = [r for r in rows if r.kind == what]
         more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
         detail = f"{bad[0].name}: {bad[0].problem}{more}" if bad else _good(name, rows, atol, rtol)
         checks.append(Check(name, not bad, detail))
-    checks.append(_ties_check(folder, head, ref, ref_head, groups))
+    checks.append(_ties_check(folder, head, ref, ref_head, groups, loaded))
     first = next((f"{c.name}: {c.detail}" for c in checks if not c.ok), "")
     return CompareReport(path=str(path), ok=not first, checks=tuple(checks), tensors=len(head.entries),
                          files=tuple(head.files), kind=folder_kind(head.entries), against=str(against), atol=atol,
@@ -100,7 +106,38 @@ def _folder(path, what: str) -> Path:
     return folder
 
 
-def _headers(folder: Path) -> Header:
+def is_bin_reference(folder: Path) -> bool:
+    """A reference folder of ``.bin`` weights only (``pytorch_model.bin`` or its index), no safetensors."""
+    from patcher.checkpoint.convert import BIN_INDEX_NAME, BIN_NAME
+
+    return (not any(folder.glob("*.safetensors")) and not (folder / INDEX_NAME).is_file()
+            and any((folder / n).is_file() for n in (BIN_NAME, BIN_INDEX_NAME)))
+
+
+def _bin_headers(folder: Path, loaded: dict) -> Header:
+    """A ``.bin`` reference's "headers": each file loaded weights-only (memory-mapped), its tensors listed."""
+    from patcher.checkpoint.convert import BIN_INDEX_NAME, BIN_NAME, bin_shards, load_bin
+
+    files = bin_shards(folder) if (folder / BIN_INDEX_NAME).is_file() else [BIN_NAME]
+    head = Header(files=list(files))
+    for name in files:
+        state, _ = load_bin(folder / name)
+        loaded[(folder, name)] = state
+        for key, tensor in state.items():
+            if key in head.entries:
+                head.problems.append(f"{key} appears in both {head.entries[key][2]} and {name}")
+            head.entries[key] = (tuple(int(d) for d in tensor.shape), dtype_code(tensor.dtype), name)
+    return head
+
+
+def _headers(folder: Path, loaded: Optional[dict] = None) -> Header:
+    if loaded is not None and is_bin_reference(folder):
+        head = _bin_headers(folder, loaded)
+        if not head.entries:
+            raise DsfixError("the .bin weights hold no tensors", path=str(folder))
+        if head.problems:
+            raise DsfixError(f"cannot compare: {head.problems[0]}", path=str(folder))
+        return head
     files, weight_map, problems = weight_files(folder)
     head = read_headers(folder, files, weight_map)
     problems = problems + head.problems
@@ -150,17 +187,37 @@ def _pairs(head: Header, ref_head: Header, partner: dict) -> tuple[list, Check]:
                         (f"; tied aliases compared through their partner: {examples(aliased)}" if aliased else ""))
 
 
+class _Loaded:
+    """A loaded ``.bin`` state dict, read as ``safe_open``'s handle is (``get_tensor``, ``get_slice``)."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def get_tensor(self, name: str):
+        return self.state[name]
+
+    get_slice = get_tensor  # a tensor slices by rows as safetensors' slice does
+
+
+def _opener(stack: ExitStack, loaded: dict):
+    """handle(folder, file): each weight file opened once (safetensors memory-mapped; a loaded .bin as is)."""
+    opened: dict = {}
+
+    def handle(where: Path, file: str):
+        from safetensors import safe_open
+
+        if (where, file) not in opened:
+            opened[(where, file)] = (_Loaded(loaded[(where, file)]) if (where, file) in loaded
+                                     else stack.enter_context(safe_open(str(where / file), framework="pt")))
+        return opened[(where, file)]
+
+    return handle
+
+
 def _compare_values(folder: Path, ref: Path, head: Header, ref_head: Header, pairs: list, atol: float,
-                    rtol: float) -> list:
+                    rtol: float, loaded: dict) -> list:
     with ExitStack() as stack:
-        opened: dict = {}
-
-        def handle(where: Path, file: str):
-            from safetensors import safe_open
-
-            if (where, file) not in opened:
-                opened[(where, file)] = stack.enter_context(safe_open(str(where / file), framework="pt"))
-            return opened[(where, file)]
+        handle = _opener(stack, loaded)
 
         rows = []
         for name, ref_name in pairs:
@@ -218,15 +275,17 @@ def _good(name: str, rows: list, atol: float, rtol: float) -> str:
             f"(largest |diff| {worst.max_diff:.6g}, {worst.name})")
 
 
-def _ties_check(folder: Path, head: Header, ref: Path, ref_head: Header, groups: list) -> Check:
+def _ties_check(folder: Path, head: Header, ref: Path, ref_head: Header, groups: list, loaded: dict) -> Check:
     """Wherever one folder stores several keys of a tie group, they are bit-equal."""
     notes, bad = [], []
-    for where, h, label in ((folder, head, "folder"), (ref, ref_head, "reference")):
-        for group in groups:
-            present = [k for k in group if k in h.entries]
-            for other in present[1:]:
-                pair = f"{other} ~ {present[0]} ({label})"
-                (notes if _bit_equal(where, h, present[0], other) else bad).append(pair)
+    with ExitStack() as stack:
+        handle = _opener(stack, loaded)
+        for where, h, label in ((folder, head, "folder"), (ref, ref_head, "reference")):
+            for group in groups:
+                present = [k for k in group if k in h.entries]
+                for other in present[1:]:
+                    pair = f"{other} ~ {present[0]} ({label})"
+                    (notes if _bit_equal(where, h, present[0], other, handle) else bad).append(pair)
     if bad:
         return Check("tied", False, f"tied aliases differ from their partner: {examples(bad)}")
     if not groups:
@@ -234,11 +293,8 @@ def _ties_check(folder: Path, head: Header, ref: Path, ref_head: Header, groups:
     return Check("tied", True, examples(notes) + " bit-equal" if notes else "tied aliases stored on neither side")
 
 
-def _bit_equal(where: Path, head: Header, a: str, b: str) -> bool:
-    from safetensors import safe_open
-
+def _bit_equal(where: Path, head: Header, a: str, b: str, handle) -> bool:
     (shape, code, file_a), (shape_b, code_b, file_b) = head.entries[a], head.entries[b]
     if tuple(shape) != tuple(shape_b) or code != code_b:
         return False
-    with safe_open(str(where / file_a), framework="pt") as fa, safe_open(str(where / file_b), framework="pt") as fb:
-        return _values(fa, a, fb, b, tuple(shape), 0.0, 0.0)[0] is None
+    return _values(handle(where, file_a), a, handle(where, file_b), b, tuple(shape), 0.0, 0.0)[0] is None

@@ -260,7 +260,7 @@ def _survey(folder: Path) -> _Plan:
     DsfixError (code 2) on bad input."""
     st_name = next((n for n in (SINGLE_NAME, INDEX_NAME) if (folder / n).is_file()), None)
     if (folder / BIN_INDEX_NAME).is_file():
-        source, sharded = _bin_shards(folder), True
+        source, sharded = bin_shards(folder), True
     elif (folder / BIN_NAME).is_file():
         source, sharded = [BIN_NAME], False
     elif st_name is not None:
@@ -268,8 +268,11 @@ def _survey(folder: Path) -> _Plan:
     else:
         others = sorted(p.name for p in folder.glob("*.bin"))
         found = f"; found only {examples(others)}" if others else ""
-        raise DsfixError(f"no {BIN_NAME} (or its index) here nor in actor/, critic/, actor_ema/, and no DeepSpeed "
-                         f"checkpoint (latest, global_stepN/){found}", path=str(folder))
+        from patcher.checkpoint.zero import contents
+
+        found = found or f"; found {contents(folder)}"
+        raise DsfixError(f"no {BIN_NAME} (also not in actor/, critic/, actor_ema/), no latest, no checkpoint-N/{found}",
+                         path=str(folder))
     if st_name is not None:
         return _Plan(folder, source, sharded, already=f"{st_name} is already there beside {examples(source)} "
                                                       f"(remove {st_name} to convert again)")
@@ -292,7 +295,7 @@ def _load(plan: _Plan) -> None:
         raise DsfixError(f"{examples(plan.source)} holds no tensors", path=str(plan.folder))
 
 
-def _bin_shards(folder: Path) -> list:
+def bin_shards(folder: Path) -> list:
     index = folder / BIN_INDEX_NAME
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]

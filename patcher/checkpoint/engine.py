@@ -1,4 +1,7 @@
-"""``dsfix convert CKPT --config MODEL --output OUT``: a DeepSpeed checkpoint to a verified Hugging Face folder.
+"""``dsfix convert CKPT [--config MODEL] --output OUT``: a DeepSpeed checkpoint to a verified Hugging Face folder.
+
+Which checkpoint (a Trainer run folder's last ``checkpoint-N``), whose config (the checkpoint's own
+``config.json``, as the Trainer writes it, else ``--config``) and who wrote it: :mod:`patcher.checkpoint.zero`.
 
 What it reads, each in its own module:
 
@@ -8,7 +11,7 @@ What it reads, each in its own module:
 * what it refuses (tensor, expert or pipeline parallelism, non-Adam optimizer states):
   :mod:`patcher.checkpoint.refuse`.
 
-This module plans the output from the model_states file and ``--config``'s model (names, shapes, dtypes,
+This module plans the output from the model_states file and the config's model (names, shapes, dtypes,
 the tied aliases recorded in ``shared_params``), lays out the output files' headers first with the
 inserted save's own layout function, then streams: the reader hands over one piece of one tensor at a
 time, which is cast to the output dtype and written at its place. Memory is one rank's partition (one
@@ -25,7 +28,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from patcher.checkpoint.checks import (
     CONFIG_NAME, INDEX_NAME, Check, Header, examples, keys_check, load_config, nonempty_check, shapes_check,
 )
 from patcher.checkpoint.convert import ConvertStatus
-from patcher.checkpoint.files import claim, clear_stale, fsync, fsync_folder, release
+from patcher.checkpoint.files import claim, clear_stale, fsync, fsync_folder, make_staging, release
 from patcher.checkpoint.progress import Progress
 from patcher.checkpoint.verify import expected_of, load_check, meta_model, verify_folder
 from patcher.checkpoint.zero import Layout, load_pt
@@ -54,6 +56,7 @@ COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "
           "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
           "chat_template.json")
 SCRATCH = ".lora-base-weights"  # in the staging folder, while LoRA layers are fused
+PRODUCERS = {"trainer": "the Hugging Face Trainer", "accelerate": "accelerate's save_state"}  # zero.producer_of
 
 
 # --------------------------------------------------------------------------- finding the checkpoint
@@ -87,7 +90,7 @@ def open_checkpoint(path, tag: Optional[str]) -> tuple[Layout, dict, int]:
     if layout.universal and not layout.stage3:
         return layout, meta, world
     if not layout.universal:
-        zero.check_ranks(layout.folder, layout.precision, range(len(files)), world)
+        zero.check_ranks(layout.folder, layout.prefix, range(len(files)), world)
     if world != len(files):
         what = "model_states" if layout.universal else "optimizer"
         raise DsfixError(f"dp_world_size is {world} but there are {len(files)} {what} files: "
@@ -118,6 +121,11 @@ class EngineResult(Result, Checks):
     bytes_written: int = 0
     note: str = ""
     universal: bool = False  # a ds_to_universal folder, not the engine's own files
+    checkpoint: str = ""  # the checkpoint folder read: ``path`` itself, or the checkpoint-N chosen in a Trainer run
+    chosen: str = ""  # how that checkpoint-N was chosen ("" when ``path`` is the checkpoint)
+    producer: str = ""  # "trainer", "accelerate" or "" (engine.save_checkpoint), from the files beside it
+    config: str = ""  # the folder config.json (generation config, tokenizer) came from
+    config_own: bool = False  # that folder is the checkpoint's own (the Trainer's), not --config
     lora: Optional[dict] = None  # DeepSpeed-Chat LoRA layers fused: layers, ranks, lora_scaling, dtype, kept
     verb = "convert"
     warnings = ()
@@ -132,23 +140,32 @@ class EngineResult(Result, Checks):
             fused = (f", LoRA fused into {self.lora['layers']} layers with lora_scaling {self.lora['lora_scaling']:g} "
                      f"({given}; scaling = lora_scaling / r, r = {', '.join(map(str, self.lora['ranks']))})"
                      + (f", factors kept in {lora.FILE}" if self.lora["kept"] else ""))
-        return (f"converted {self.path} ({self.tag}) -> {self.output}: {self.tensors} tensors, {self.dtype}, "
+        tag = f"{Path(self.checkpoint).name}/{self.tag}" if self.chosen else self.tag
+        return (f"converted {self.path} ({tag}) -> {self.output}: {self.tensors} tensors, {self.dtype}, "
                 f"{self.strategy}{fused}; {examples(self.written)}")
 
     def describe(self) -> str:
         stage = f"ZeRO-{self.stage}" if self.stage is not None else "ZeRO"
+        run = f"a Trainer run folder; converting {self.chosen}: " if self.chosen else ""
+        by = PRODUCERS.get(self.producer, "")
+        by = f", saved by {by}" if by else ""
+        config = ("; config from the checkpoint's own folder" if self.config_own
+                  else f"; config from --config {self.config}" if self.config else "")
         if self.universal:
-            return (f"{self.path}: a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a {stage} "
-                    f"run on {self.world} rank(s); one fp32 file a parameter), written to {self.output}")
-        return (f"{self.path}: a DeepSpeed engine checkpoint ({self.tag}, {stage}, {self.world} rank(s), "
-                f"{self.precision} optimizer states), written to {self.output}")
+            return (f"{self.path}: {run}a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a "
+                    f"{stage} run on {self.world} rank(s); one fp32 file a parameter){config}, "
+                    f"written to {self.output}")
+        return (f"{self.path}: {run}a DeepSpeed engine checkpoint ({self.tag}, {stage}, {self.world} rank(s), "
+                f"{self.precision} optimizer states{by}){config}, written to {self.output}")
 
     def body(self) -> dict:
         kind = "deepspeed-universal-checkpoint" if self.universal else "deepspeed-engine-checkpoint"
         return {"path": self.path, "kind": kind, "output": self.output, "status": self.status.value,
                 "ok": self.ok, "tag": self.tag, "zero_stage": self.stage, "world_size": self.world,
                 "precision": self.precision, "dtype": self.dtype, "strategy": self.strategy, "tensors": self.tensors,
-                "lora": self.lora, "written": list(self.written), "bytes_written": self.bytes_written,
+                "lora": self.lora, "checkpoint": self.checkpoint, "chosen": self.chosen or None,
+                "producer": self.producer or None, "config": self.config, "config_from_checkpoint": self.config_own,
+                "written": list(self.written), "bytes_written": self.bytes_written,
                 "note": self.note, "checks": [c._asdict() for c in self.checks]}
 
 
@@ -280,15 +297,11 @@ def _train_dtype(meta: dict, where):
     """The dtype the model trained in (its module's tensors), from the saved DeepSpeed config."""
     import torch
 
-    config = meta.get("ds_config")
-    if not isinstance(config, dict):
+    precision = zero.training_precision(meta.get("ds_config"))
+    if precision is None:
         raise DsfixError("refused: LoRA layers to fuse, but no saved ds_config says the training dtype they were "
                          "fused in; nothing written", path=str(where))
-    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        section = config.get(key)
-        if isinstance(section, dict) and section.get("enabled"):
-            return dtype
-    return torch.float32
+    return getattr(torch, DTYPES[precision])
 
 
 # --------------------------------------------------------------------------- the entry point
@@ -301,14 +314,19 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
     """Convert the engine or universal checkpoint at ``path`` into ``output``. ``lora_scaling``: DeepSpeed-Chat's
     LoRA scaling argument (default: step 1's 1), ``keep_lora``: also write the factors (:data:`lora.FILE`).
     Raises DsfixError (code 2) on bad input (nothing written); a failed check gives ``ok=False`` (nothing written)."""
-    config, output = _check_args(path, config, output, strategy, lora_scaling)
-    layout, meta, world = open_checkpoint(path, tag)
+    chosen = zero.choose_checkpoint(path, tag) or zero.Chosen(Path(path), tag, "")
+    output = _check_args(path, output, strategy, lora_scaling)
+    config, own = _config_folder(chosen, config)
+    layout, meta, world = open_checkpoint(chosen.path, chosen.tag)
     cfg, cfg_check, cfg_dtype = load_config(config)
     if cfg is None:
-        raise DsfixError(f"--config: {cfg_check.detail}", path=str(config))
+        raise DsfixError(f"{'' if own else '--config: '}{cfg_check.detail}", path=str(config))
     out_dtype = _out_dtype(dtype, cfg_dtype)
-    base = dict(path=str(path), output=str(output), tag=layout.tag, world=world, precision=layout.precision,
-                dtype=str(out_dtype).replace("torch.", ""), strategy=strategy, universal=layout.universal)
+    root = layout.folder.parent if layout.folder != chosen.path else chosen.path
+    base = dict(path=str(path), output=str(output), tag=layout.tag, world=world,
+                precision=zero.precision_of(layout, meta.get("ds_config")), dtype=str(out_dtype).replace("torch.", ""),
+                strategy=strategy, universal=layout.universal, checkpoint=str(chosen.path), chosen=chosen.note,
+                producer=zero.producer_of(root), config=str(config), config_own=own)
     checks = [cfg_check]
     plan = _plan(meta, cfg, strategy, out_dtype, checks, layout.folder)
     fusing = _lora_options(plan, meta, lora_scaling, keep_lora, layout.folder)
@@ -323,23 +341,41 @@ def convert_engine(path, config, output, *, tag: Optional[str] = None, dtype: st
     return _convert(job, config, output, load, cfg, checks, base)
 
 
-def _check_args(path, config, output, strategy: str, lora_scaling) -> tuple[Path, Path]:
+def _check_args(path, output, strategy: str, lora_scaling) -> Path:
     if strategy not in STRATEGIES:
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
     if lora_scaling is not None and not (isinstance(lora_scaling, (int, float)) and math.isfinite(lora_scaling)
                                          and lora_scaling > 0):
         raise DsfixError(f"--lora-scaling must be a positive number, not {lora_scaling}")
-    if config is None or output is None:
-        raise DsfixError("a DeepSpeed engine checkpoint, without config or tokenizer: convert needs --config "
-                         "MODEL_DIR (config.json, tokenizer) and --output OUT_DIR", path=str(path))
-    config, output = Path(config), Path(output)
-    if not (config / CONFIG_NAME).is_file():
-        raise DsfixError(f"--config: no {CONFIG_NAME} in this folder", path=str(config))
+    if output is None:
+        raise DsfixError("a DeepSpeed checkpoint is converted into a new folder: convert needs --output OUT_DIR "
+                         "(new or empty)", path=str(path))
+    output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DsfixError("--output exists and is not an empty folder; nothing written", path=str(output))
     if not output.parent.is_dir():
         raise DsfixError("--output: its parent folder does not exist", path=str(output))
-    return config, output
+    return output
+
+
+def _config_folder(chosen, config) -> tuple[Path, bool]:
+    """(the folder whose config.json, generation config and tokenizer go with the weights, whether it is the
+    checkpoint's own): ``--config`` when given, else the checkpoint's folder when it holds config.json (the
+    Trainer's checkpoint-N/ does); else one line saying that --config is needed, and why."""
+    if config is not None:
+        config = Path(config)
+        if not (config / CONFIG_NAME).is_file():
+            raise DsfixError(f"--config: no {CONFIG_NAME} in this folder", path=str(config))
+        return config, False
+    step, _, _ = zero.step_folder(chosen.path, chosen.tag)
+    own = zero.config_folder(chosen.path, step)
+    if own is not None:
+        return own, True
+    root = step.parent if step != chosen.path else chosen.path
+    who = {"accelerate": "accelerate's save_state writes none", "trainer": "this checkpoint-N has none"}.get(
+        zero.producer_of(root), "engine.save_checkpoint writes none")
+    raise DsfixError(f"no {CONFIG_NAME} here ({who}): convert needs --config MODEL_DIR, the model's folder",
+                     path=str(chosen.path))
 
 
 def _lora_options(plan: Plan, meta: dict, lora_scaling, keep_lora: bool, where) -> Optional[dict]:
@@ -363,7 +399,7 @@ def _source_check(layout: Layout, meta: dict, world: int) -> Check:
     if layout.universal:
         what = f"universal checkpoint of a {stage} run on {world} rank(s), one fp32 file a trained parameter"
     else:
-        what = f"{stage}, {world} rank(s), {layout.precision} optimizer states"
+        what = f"{stage}, {world} rank(s), {zero.precision_of(layout, meta.get('ds_config'))} optimizer states"
     return Check("source", True, f"{layout.tag}: {what}, DeepSpeed {meta.get('ds_version', '?')}; "
                                  f"{n_trained} trained + {n_frozen} frozen parameters, "
                                  f"{len(meta.get('buffer_names') or [])} buffers, "
@@ -389,7 +425,7 @@ def _convert(job: _Job, config: Path, output: Path, load: bool, cfg, checks: lis
     The staged files go to the disk (fsync) on a thread while they are checked; the rename waits for it."""
     clear_stale(output.parent, STAGING_PREFIX)  # a killed run's
     try:
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=str(output.parent)))
+        staging = make_staging(output.parent, STAGING_PREFIX)
     except OSError as e:
         raise DsfixError(f"cannot write here: {e.strerror or e}; nothing written", path=str(output.parent))
     try:
@@ -523,7 +559,7 @@ def _open_outputs(files: list, staging: Path, fds: list) -> tuple[dict, int]:
     """Creates each file at its full size with its header written: ({tensor: (fd, data offset)}, data bytes)."""
     outs, total = {}, 0
     for fname, header, offsets in files:
-        fd = os.open(str(staging / fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(str(staging / fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
         fds.append(fd)
         os.write(fd, header)
         os.ftruncate(fd, len(header) + sum(n for _, n in offsets.values()))

@@ -77,3 +77,19 @@ def fsync_folder(folder: Path) -> None:
         if path.is_file():
             fsync(path)
     fsync(folder)
+
+
+def make_staging(parent: Path, prefix: str) -> Path:
+    """A new folder ``parent/PREFIX…`` created as any folder the user makes: its mode follows the umask (0755
+    under 022, 0775 under 002), so the folder renamed into place from it is readable where the user's folders
+    are (``tempfile.mkdtemp`` would leave it 0700)."""
+    import secrets
+
+    for _ in range(100):
+        path = Path(parent) / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path, 0o777)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free name for a staging folder in {parent}")

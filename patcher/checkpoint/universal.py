@@ -46,7 +46,7 @@ def layout_of(folder: Path, tag: str) -> Layout:
     else:
         raise DsfixError(f"a universal checkpoint folder ({PARAMS}/) without {MODEL12} or "
                          "zero_pp_rank_R_mp_rank_00_model_states.pt: ds_to_universal copies them in", path=str(folder))
-    return Layout(folder, tag, bool(model3), model_files, (), "fp32", universal=True)
+    return Layout(folder, tag, bool(model3), model_files, (), "", universal=True)
 
 
 def stage_of(meta: dict) -> Optional[int]:

@@ -8,7 +8,8 @@ compares the file headers with them. torch and transformers are imported inside 
 
 Two kinds of folder, told apart by their keys:
 
-* ``causal-lm``: step 1's model and step 3's ``actor``/``actor_ema``, checked against
+* ``causal-lm``: any causal LM (a Trainer's or accelerate's model, a converted checkpoint, DeepSpeed-Chat's
+  step-1 model and step-3 ``actor``/``actor_ema``), checked against
   ``AutoModelForCausalLM.from_config`` and loaded with ``from_pretrained``;
 * ``critic``: step 2's reward model and step 3's ``critic`` (``rwtransformer.*`` plus ``v_head.weight``,
   with the base model's config), checked against :class:`patcher.checkpoint.critic.CriticModel` built the way
@@ -36,7 +37,7 @@ STEP3_SUBFOLDERS = ("actor", "critic", "actor_ema")  # what DeepSpeed-Chat's ste
 CAUSAL_LM = "causal-lm"
 CRITIC = "critic"
 KIND_TEXT = {
-    CAUSAL_LM: "causal LM (step-1 model, step-3 actor or EMA)",
+    CAUSAL_LM: "causal LM (a Trainer's or accelerate's model, DeepSpeed-Chat's step-1 model or step-3 actor/EMA)",
     CRITIC: "reward/critic model (rwtransformer.* + v_head.weight, as create_critic_model builds it)",
 }
 
@@ -193,15 +194,62 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
     folders = model_folders(path)
     for folder in folders:
         need_folder(folder)
-        weight_files(folder)
+        try:
+            weight_files(folder)
+        except DsfixError as e:  # a save killed between moving a file aside and its successor in
+            killed = leftover_check(folder) if _holds_dsfix_names(folder) else None
+            if killed is None or killed.ok:
+                raise
+            raise DsfixError(f"{e.message}; {killed.detail}", path=e.path) from None
     if against is not None:
+        from patcher.checkpoint.compare import is_bin_reference
+
         for folder in model_folders(against):
             need_folder(folder)
-            weight_files(folder)
+            if not is_bin_reference(folder):  # a pytorch_model.bin reference (zero_to_fp32's) is read as it is
+                weight_files(folder)
     with quiet():
         if against is not None:
             return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
         return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True) for p in folders))
+
+
+def _holds_dsfix_names(folder: Path) -> bool:
+    """Whether ``folder`` or its fallback folder holds a hidden entry of dsfix's naming (a staging folder, a
+    temporary file), where a killed save may have left its files: only then is the save module imported to
+    read them (it imports torch), so that bad input is still answered before torch."""
+    return any(p.name.startswith(".") and "dsfix" in p.name
+               for where in (folder, folder / "dsfix-fallback") if where.is_dir() for p in where.iterdir())
+
+
+def leftover_check(path) -> Optional[Check]:
+    """What killed saves of dsfix's save module left in ``path`` (its ``find_leftovers``), or None when there
+    is nothing. It fails when a save killed in its final phase left the folder mixing its files and the
+    previous save's, and names them: those in place, those missing, those moved aside."""
+    import os
+
+    from patcher.templates.dsfix_safetensors import find_leftovers
+
+    found = find_leftovers(str(path))
+    if not found:
+        return None
+    notes = []
+    for left in found:
+        where = os.path.relpath(left.path, str(path))
+        if not left.moving:
+            notes.append(f"{where}: left by a killed save, nothing of it in place (the next save removes it)")
+            continue
+        parts = [f"{where}: a save killed while moving its files into place"]
+        for label, names in (("its files in place", left.moved_in), ("not moved in", left.pending),
+                             ("missing", left.missing), (f"the previous save's, moved aside into {where}/.replaced",
+                                                         left.aside),
+                             ("the previous save's weight files still in place", left.stale)):
+            if names:
+                parts.append(f"{label}: {', '.join(names)}")
+        parts.append("the next save into this folder completes it" if left.mixed else
+                     "every file of the new save is in place (the next save removes the rest)")
+        notes.append("; ".join(parts))
+    return Check("leftovers", not any(left.mixed for left in found), " | ".join(notes))
 
 
 def compare_path(path, against, expect: Optional[int] = None, atol: float = 0.0, rtol: float = 0.0) -> VerifyResult:
@@ -264,6 +312,9 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite:
         checks.append(finite_check(folder, head))
     if tie_groups:
         checks.append(_tied_check(folder, head, tie_groups))
+    leftovers = leftover_check(folder)
+    if leftovers is not None:
+        checks.append(leftovers)
     if expect is not None:
         n = len(head.entries)
         checks.append(Check("count", n == expect, f"{n} tensors" + ("" if n == expect else f", expected {expect}")))

@@ -17,6 +17,14 @@ folder, and where each element of the ranks' flat fp32 partitions belongs.
 :func:`zero3_pieces`) and hands them on, one rank's optimizer file at a time (memory-mapped), then the
 frozen parameters and buffers (:func:`stream_frozen`, which a universal checkpoint shares).
 
+Where checkpoints come from: the Hugging Face Trainer saves ``OUTPUT/checkpoint-N/`` (``latest``,
+``global_stepN/``, ``config.json``, the tokenizer, ``trainer_state.json``), accelerate's ``save_state`` a folder
+with ``latest`` naming ``pytorch_model/`` beside ``random_states_R.pkl``, and ``engine.save_checkpoint`` the
+bare ``latest`` and ``global_stepN/``. :func:`choose_checkpoint` picks a run folder's last ``checkpoint-N`` as
+transformers' ``get_last_checkpoint`` does, :func:`config_folder` finds the checkpoint's own ``config.json``,
+:func:`producer_of` says who wrote it, and :func:`precision_of` names the run's precision (the file names
+say bf16; fp16 and fp32 runs write the same names, and the saved DeepSpeed config tells them apart).
+
 Every ``.pt`` is read with ``torch.load(weights_only=True)`` and an allow-list of the few non-torch types
 DeepSpeed pickles (:data:`ALLOWED`), each bound to a plain stand-in class here, so no DeepSpeed or other
 code runs on load and DeepSpeed need not be installed. Anything else is refused, naming the type.
@@ -31,13 +39,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from patcher.checkpoint.checks import examples
+from patcher.checkpoint.checks import CONFIG_NAME, examples
 from patcher.errors import DsfixError
 
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
 
 _OPTIM_RE = re.compile(r"^(?:(?P<prec>bf16|fp16|fp32)_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+# transformers' Trainer saves into OUTPUT/checkpoint-N/ (trainer_utils.PREFIX_CHECKPOINT_DIR, _re_checkpoint)
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE = "trainer_state.json"  # what marks a folder as the Trainer's checkpoint-N
+ACCELERATE_STATE_RE = re.compile(r"^random_states_\d+\.pkl$")  # what accelerate's save_state writes beside the model
 MODEL3_RE = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 MODEL12 = "mp_rank_00_model_states.pt"
 
@@ -159,7 +171,7 @@ class Layout(NamedTuple):
     stage3: bool  # one model_states file per rank
     model_files: tuple  # rank order (one file for ZeRO-1/2)
     optim_files: tuple  # rank order (none in a universal checkpoint)
-    precision: str  # "bf16", "fp16" or "fp32": the optimizer files' prefix ("fp32" in a universal checkpoint)
+    prefix: str  # the optimizer files' name prefix: "bf16" (DeepSpeed's bf16_), or "" (fp16 and fp32 runs alike)
     universal: bool = False
 
 
@@ -212,7 +224,7 @@ def layout_of(folder: Path, tag: str) -> Layout:
         m = _OPTIM_RE.match(p.name)
         if m is not None:
             optim[int(m.group("rank"))] = p
-            precisions.add(m.group("prec") or "fp16")
+            precisions.add(m.group("prec") or "")
     model3 = {int(m.group("rank")): p for p in folder.glob("zero_pp_rank_*_model_states.pt")
               if (m := MODEL3_RE.match(p.name)) is not None}
     stage3 = bool(model3)
@@ -223,7 +235,8 @@ def layout_of(folder: Path, tag: str) -> Layout:
         raise DsfixError("no *_optim_states.pt: the fp32 master weights of a ZeRO checkpoint are in them "
                          "(a checkpoint saved without ZeRO, or its optimizer files were removed)", path=str(folder))
     if len(precisions) > 1:
-        raise DsfixError(f"optimizer files of several precisions ({examples(sorted(precisions))}): two saves in one "
+        found = examples(sorted(p or "no prefix" for p in precisions))
+        raise DsfixError(f"optimizer files of several precisions ({found}): two saves in one "
                          "folder?", path=str(folder))
     prec = precisions.pop()
     world = max(optim) + 1
@@ -241,16 +254,127 @@ def rank_files(folder: Path, model3: dict, world: int) -> tuple:
     return tuple(model3[r] for r in range(world))
 
 
-def optim_name(precision: str, rank: int) -> str:
-    return f"{'' if precision == 'fp16' else precision + '_'}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_name(prefix: str, rank: int) -> str:
+    return f"{prefix + '_' if prefix else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
-def check_ranks(folder: Path, precision: str, present, world: int) -> None:
+def check_ranks(folder: Path, prefix: str, present, world: int) -> None:
     missing = [r for r in range(world) if r not in present]
     if missing:
-        raise DsfixError(f"rank {missing[0]}'s file {optim_name(precision, missing[0])} is missing"
+        raise DsfixError(f"rank {missing[0]}'s file {optim_name(prefix, missing[0])} is missing"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                          + f"; all {world} ranks' files are needed", path=str(folder))
+
+
+def training_precision(ds_config) -> Optional[str]:
+    """"bf16", "fp16" or "fp32": what the saved DeepSpeed config (model_states' ``ds_config``) trained in; None
+    when there is no config to tell (DeepSpeed accepts ``bf16`` or ``bfloat16`` for the bf16 section)."""
+    if not isinstance(ds_config, dict):
+        return None
+    found = None
+    for key, name in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        section = ds_config.get(key)
+        enabled = section.get("enabled", False) if isinstance(section, dict) else False
+        if enabled not in (True, False):  # "auto" left unresolved: the config does not say
+            return None
+        if enabled is True:
+            found = found or name
+    return found or "fp32"
+
+
+def precision_of(layout: Layout, ds_config) -> str:
+    """The optimizer states' precision as the run trained: the ``bf16_`` prefix says bf16; files without one are
+    written by fp16 and fp32 runs alike, so the saved ``ds_config`` decides ("fp16 or fp32" without one)."""
+    if layout.prefix in ("bf16", "fp16", "fp32"):
+        return layout.prefix
+    return training_precision(ds_config) or ("fp16 or fp32" if not layout.universal else "unknown")
+
+
+# --------------------------------------------------------------------------- which producer, which checkpoint
+
+
+def producer_of(root: Path) -> str:
+    """Who wrote the checkpoint folder ``root`` (the one holding ``latest``), from the files beside it: "trainer"
+    (transformers' Trainer: checkpoint-N/ with trainer_state.json), "accelerate" (``Accelerator.save_state``:
+    random_states_R.pkl), else "" (a plain ``engine.save_checkpoint``, DeepSpeed-Chat among them)."""
+    root = Path(root)
+    if (root / TRAINER_STATE).is_file():
+        return "trainer"
+    if root.is_dir() and any(ACCELERATE_STATE_RE.match(p.name) for p in root.iterdir()):
+        return "accelerate"
+    return ""
+
+
+def run_checkpoints(path) -> list:
+    """The ``checkpoint-N`` folders of a Trainer's output folder, by N (transformers' own pattern)."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, key=lambda t: t[0])]
+
+
+class Chosen(NamedTuple):
+    """The checkpoint folder to convert: ``path`` itself, or one ``checkpoint-N`` of a Trainer run folder."""
+
+    path: Path  # the checkpoint folder (holding latest, or a step folder)
+    tag: Optional[str]  # --tag left for the step folder (None: latest's)
+    note: str  # how it was chosen ("" when ``path`` was given itself)
+
+
+def choose_checkpoint(path, tag: Optional[str] = None) -> Optional[Chosen]:
+    """``path`` when it is a DeepSpeed checkpoint; in a Trainer run folder (``checkpoint-N/`` folders), the one
+    ``--tag`` names, else the last one, as transformers' ``get_last_checkpoint`` picks it (the largest N); None
+    when ``path`` is neither. A run folder that is also a checkpoint itself (the Trainer's ``save_model()`` at
+    ZeRO-3 without gathering writes ``latest`` into its output folder) is that checkpoint, its final save,
+    unless ``--tag checkpoint-N`` names one of its checkpoints. Raises DsfixError when the chosen
+    ``checkpoint-N`` holds no DeepSpeed checkpoint."""
+    root = Path(path)
+    runs = run_checkpoints(root)
+    if is_engine_checkpoint(root) and not (tag is not None and runs and CHECKPOINT_RE.match(tag)):
+        return Chosen(root, tag, "")
+    if not runs:
+        return None
+    names = [p.name for p in runs]
+    listed = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]} ({len(names)} in all)"
+    if tag is not None:
+        if not CHECKPOINT_RE.match(tag):
+            raise DsfixError(f"--tag {tag}: here --tag names a checkpoint-N ({listed}); for a step, give that "
+                             "checkpoint-N",
+                             path=str(root))
+        if tag not in names:
+            raise DsfixError(f"--tag {tag}: no such checkpoint here; the run saved {listed}", path=str(root))
+        chosen, note = root / tag, f"{tag} (as --tag names it, of {listed})"
+    else:
+        chosen = runs[-1]
+        note = (f"{chosen.name} (the last of {listed}, as transformers' get_last_checkpoint picks it"
+                + ("; --tag checkpoint-N picks another)" if len(runs) > 1 else ")"))
+    if not is_engine_checkpoint(chosen):
+        bins = sorted(p.name for p in chosen.glob("pytorch_model*.bin"))
+        hint = f"; a .bin folder is converted in place: dsfix convert {chosen}" if bins else ""
+        raise DsfixError(f"{chosen.name} holds no DeepSpeed checkpoint (no latest): found {contents(chosen)}{hint}",
+                         path=str(root))
+    return Chosen(chosen, None, note)
+
+
+def config_folder(path, step: Path) -> Optional[Path]:
+    """The checkpoint's own folder holding ``config.json`` (the Trainer writes it into checkpoint-N/ with the
+    generation config and the tokenizer): ``path`` itself, or, when ``path`` is the step folder, the folder
+    holding it with its ``latest``. None when neither holds one."""
+    root = Path(path)
+    candidates = [root]
+    if Path(step) == root and ((root.parent / LATEST).is_file() or (root.parent / LATEST_UNIVERSAL).is_file()):
+        candidates.append(root.parent)
+    return next((c for c in candidates if (c / CONFIG_NAME).is_file()), None)
+
+
+def contents(folder) -> str:
+    """What a folder holds, in a few names (folders with a slash), for a one-line refusal."""
+    try:
+        items = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(folder).iterdir())
+    except OSError as e:
+        return f"nothing readable ({e.strerror or e})"
+    return examples(items) if items else "an empty folder"
 
 
 # --------------------------------------------------------------------------- where each element lives
