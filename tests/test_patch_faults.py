@@ -531,3 +531,36 @@ def test_revert_where_dsfix_never_was_lists_nothing(tmp_path):
     (tmp_path / "notes" / "x.py").write_text("save_hf_format_safetensors(m, t, a)\n")
     p = run("revert", tmp_path)
     assert p.returncode in (0, 2) and b"unchanged:" not in p.stderr
+
+
+def _break(co, rel):
+    """Make ``rel`` unreadable to Python ('(' never closed); returns the one line every verb prints for it."""
+    lines = (co / rel).read_bytes().split(b"\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith(b"def "))
+    lines[at] = lines[at].replace(b"(", b"((", 1)
+    (co / rel).write_bytes(b"\n".join(lines))
+    try:
+        compile((co / rel).read_bytes(), rel, "exec")
+    except SyntaxError as e:
+        return f"{rel}:{e.lineno}: does not parse: {e.msg}"
+    raise AssertionError("still parses")
+
+
+@pytest.mark.parametrize("patched, broken", [(False, UTILS), (True, UTILS), (True, MAIN)])
+@pytest.mark.parametrize("force", [False, True])
+def test_revert_without_state_on_a_file_that_does_not_parse_is_an_error(tmp_path, patched, broken, force):
+    """No state folder: only parsing tells what dsfix changed, so a file that does not parse is the one
+    parse-error line with exit 2, as check and apply print it, not a refusal (exit 1) advising a --force that
+    cannot help (and, on an unpatched checkout, would remove "dsfix's code" where there is none)."""
+    co = copy_fixture("package", tmp_path)
+    if patched:
+        assert cli("apply", co)[0] == 0
+        shutil.rmtree(co / ".dsfix")
+    want = _break(co, broken)
+    before = snapshot(co)
+    for verb in (["check"], ["apply"], ["revert", "--force"] if force else ["revert"]):
+        line = _one_line_error(run(*verb, co), 2)
+        assert line.endswith(want) and line.startswith(("dsfix: error: " + want, f"dsfix: error: {co}/")), (verb, line)
+    assert snapshot(co) == before
+    result = json.loads(run("revert", "--json", co).stdout)
+    assert result["exit_code"] == 2 and result["error"]["path"] == broken and "--force" not in result["message"]

@@ -38,7 +38,7 @@ from typing import Optional
 
 from patcher.checkpoint import checks as ck
 from patcher.checkpoint.checks import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Header, examples
-from patcher.checkpoint.files import fsync
+from patcher.checkpoint.files import claim, clear_stale, fsync, release
 from patcher.checkpoint.verify import model_folders
 from patcher.checkpoint.progress import Progress
 from patcher.errors import OK, PENDING, DsfixError, Written, need_folder, stop_point
@@ -174,6 +174,8 @@ def convert(path, *, strategy: str = "clone", remove_bin: bool = False, load: bo
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
     need_folder(path)
     plans = [_survey(folder) for folder in model_folders(path)]
+    for plan in plans:  # a killed run's staging folder, even where there is nothing left to convert
+        clear_stale(plan.folder, STAGING_PREFIX)
     if all(plan.already is not None for plan in plans):
         return ConvertReport(str(path), strategy, tuple(_nothing(plan, strategy) for plan in plans))
     with quiet():
@@ -217,6 +219,7 @@ def _convert(root: Path, plans: list, strategy: str, remove_bin: bool, load: boo
     finally:
         for _, staging, _, _ in staged:
             shutil.rmtree(staging, ignore_errors=True)
+            release(staging)
     return ConvertReport(str(root), strategy, tuple(results[p.folder] for p in plans))
 
 
@@ -474,9 +477,11 @@ def _stage(plan: _Plan, load: bool, advance) -> tuple[Path, list, list]:
     except OSError as e:
         raise DsfixError(f"cannot write here: {e.strerror or e}; nothing written", path=str(plan.folder))
     try:
+        claim(staging)  # until it is removed: no other run takes it for a killed run's
         written, checks = _write_and_check(plan, staging, load, advance)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        release(staging)
         raise
     return staging, written, checks
 

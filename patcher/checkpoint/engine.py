@@ -39,7 +39,7 @@ from patcher.checkpoint.checks import (
     CONFIG_NAME, INDEX_NAME, Check, Header, examples, keys_check, load_config, nonempty_check, shapes_check,
 )
 from patcher.checkpoint.convert import ConvertStatus
-from patcher.checkpoint.files import fsync, fsync_folder, make_staging
+from patcher.checkpoint.files import claim, clear_stale, fsync, fsync_folder, make_staging, release
 from patcher.checkpoint.progress import Progress
 from patcher.checkpoint.verify import expected_of, load_check, meta_model, verify_folder
 from patcher.checkpoint.zero import Layout, load_pt
@@ -423,16 +423,16 @@ class _Job(NamedTuple):
 def _convert(job: _Job, config: Path, output: Path, load: bool, cfg, checks: list, base: dict) -> EngineResult:
     """Writes into a staging folder beside ``output``, verifies it, renames it into place; nothing left on failure.
     The staged files go to the disk (fsync) on a thread while they are checked; the rename waits for it."""
+    clear_stale(output.parent, STAGING_PREFIX)  # a killed run's
     try:
         staging = make_staging(output.parent, STAGING_PREFIX)
     except OSError as e:
         raise DsfixError(f"cannot write here: {e.strerror or e}; nothing written", path=str(output.parent))
     try:
+        claim(staging)  # until it is renamed or removed: no other run takes it for a killed run's
         with ThreadPoolExecutor(max_workers=1) as disk:
             files, stage, kept = _write(job, staging)
-            for name in (CONFIG_NAME,) + COPIED:
-                if (config / name).is_file():
-                    shutil.copyfile(config / name, staging / name)
+            _copy_config(config, staging, output)
             synced = disk.submit(fsync_folder, staging)
             source = checks[0]._replace(detail=checks[0].detail.replace("ZeRO-1/2", f"ZeRO-{stage or '1/2'}"))
             checks = [source] + _verify(staging, len(job.plan.entries), load, cfg, job.dtype, checks) + kept
@@ -456,6 +456,18 @@ def _convert(job: _Job, config: Path, output: Path, load: bool, cfg, checks: lis
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+        release(staging)
+
+
+def _copy_config(config: Path, staging: Path, output: Path) -> None:
+    """config.json, the generation config and the tokenizer from ``--config``, beside the weights."""
+    for name in (CONFIG_NAME,) + COPIED:
+        if (config / name).is_file():
+            try:
+                shutil.copyfile(config / name, staging / name)
+            except OSError as e:
+                raise DsfixError(f"cannot write the converted files ({name}): {e.strerror or e}; nothing written",
+                                 path=str(output.parent)) from None
 
 
 def _wait_durable(synced, output: Path) -> None:

@@ -26,6 +26,51 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
+_claimed: dict = {}  # staging folder -> the descriptor that holds its lock
+
+
+def claim(staging: Path) -> None:
+    """Mark ``staging`` (a folder this run made) as in use until ``release``: an exclusive lock on it, which
+    the system also drops when the process ends, however it ends."""
+    import fcntl
+
+    fd = os.open(str(staging), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _claimed[str(staging)] = fd
+
+
+def release(staging: Path) -> None:
+    """After ``staging`` was removed or renamed into place."""
+    fd = _claimed.pop(str(staging), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def clear_stale(parent: Path, prefix: str) -> None:
+    """Remove the staging folders (``parent/PREFIX…``) of runs that were killed: those no live run holds
+    (``claim``). A run killed before it renamed its staging folder into place leaves it behind; this is the
+    next run's "removes it by itself"."""
+    import fcntl
+    import shutil
+
+    for path in Path(parent).glob(f"{prefix}*"):
+        if path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            fd = os.open(str(path), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live run's
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
 def fsync_folder(folder: Path) -> None:
     """fsync every file in ``folder``, then the folder itself."""
     for path in sorted(folder.iterdir()):

@@ -138,13 +138,40 @@ def resolve_device(device: str) -> str:
     return device
 
 
+KEEP_MARKER = ".dsfix-smoke-running"  # in the --keep folder while smoke writes into it: the pid of that smoke
+
+
+def _killed_smokes(keep: Path) -> bool:
+    """Whether ``keep`` is the --keep folder of a smoke that was killed: it holds the marker, naming a process
+    that is gone. That smoke began with the folder new or empty, so all it holds is that smoke's."""
+    try:
+        pid = int((keep / KEEP_MARKER).read_text(encoding="ascii").strip())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # there, another user's
+        return False
+    return False
+
+
 def _check_keep(keep) -> None:
-    """--keep: a new folder, or an empty one (refused before anything is built)."""
+    """--keep: a new folder, an empty one, or one a killed smoke left (refused before anything is built)."""
     if keep is None:
         return
     refuse_file(keep)
-    if Path(keep).is_dir() and any(Path(keep).iterdir()):
+    if Path(keep).is_dir() and any(Path(keep).iterdir()) and not _killed_smokes(Path(keep)):
         raise DsfixError("--keep folder must be new or empty", path=str(keep))
+
+
+def _empty(folder: Path) -> None:
+    for child in list(folder.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink()
 
 
 @contextlib.contextmanager
@@ -161,18 +188,24 @@ def _out_folder(keep):
         return
     out = Path(keep).absolute()
     made = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)  # the top folder smoke makes
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if _killed_smokes(out):  # what a killed smoke left: gone, so this one starts as that one did
+            _empty(out)
+        (out / KEEP_MARKER).write_text(f"{os.getpid()}\n", encoding="ascii")
+    except OSError as e:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise DsfixError(f"--keep: cannot write here: {e.strerror or e}; nothing written", path=str(keep)) from None
     try:
         yield out.resolve()
+        with contextlib.suppress(OSError):  # left, it names a process that is gone: the next smoke clears
+            (out / KEEP_MARKER).unlink()
     except BaseException:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
         else:
-            for child in list(out.iterdir()):
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child, ignore_errors=True)
-                else:
-                    child.unlink()
+            _empty(out)
         raise
 
 

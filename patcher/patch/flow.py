@@ -14,6 +14,7 @@ from patcher.patch.diff import stat, unified_diff
 from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch.locate import Checkout, chat_roots_below, find_checkout, find_patched, layout_of
 from patcher.patch.plan import Status, Target
+from patcher.patch.source import Unreadable
 from patcher.patch.template import check_strategy
 from patcher.report import Result
 
@@ -188,6 +189,8 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
         try:
             co = find_checkout(repo, main, scripts)
             root = co.root
+        except Unreadable:  # a step script that does not parse: what it calls is unknown, nothing to decide
+            raise
         except DsfixError as e:  # a layout only --main could name, say: the files still tell what dsfix changed
             not_a_checkout = e
             root = Path(repo).resolve()
@@ -205,6 +208,7 @@ def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
                 raise not_a_checkout
         order = planner.revert_targets(saved, found)
         targets = [Target.of_role(rel, role, _maybe_read(root / rel, rel), modules) for rel, role, modules in order]
+        st.clear_temps(root / t.rel for t in targets)  # a killed apply's, which nothing else would remove
         plan = planner.plan_revert(targets, saved, force)
         layout = layout_of(saved, co)
         out = Outcome("revert", root, layout)

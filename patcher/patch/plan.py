@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from patcher.errors import DsfixError
 from patcher.patch.diff import split_lines
 from patcher.patch.fixers import FIXERS, Context, Patched, Target
-from patcher.patch.source import check_compiles, parse_script
+from patcher.patch.source import Unreadable, check_compiles, parse_script
 
 __all__ = ["Status", "Target", "Saved", "FileChange", "ApplyPlan", "RevertOutcome", "RevertPlan", "plan_apply",
            "plan_revert", "revert_targets", "left_out", "merge3", "sha256"]
@@ -295,6 +295,8 @@ def revert_without_state(target: Target, force: bool, ctx: Context) -> RevertOut
             return RevertOutcome(rel, None, Status.REFUSED, "dsfix's code in it was edited, and there is no state "
                                  "folder to compare with")
         new, notes = fixer.unpatch(cur, target, force)
+    except Unreadable:  # without the state folder only parsing tells what dsfix changed; --force cannot either
+        raise
     except DsfixError as e:
         return RevertOutcome(rel, None, Status.REFUSED, e.message, line=e.line)
     keep_as = rel + ".dsfix-edited" if edited and new is None else None
@@ -325,8 +327,10 @@ def _anchored(targets: list) -> bool:
         if FIXERS[t.kind].anchor:
             try:
                 return t.data is not None and FIXERS[t.kind].is_patched(t.data, t)
+            except Unreadable:  # nothing tells whether dsfix's code is there, nor --force could remove it
+                raise
             except DsfixError:
-                return True  # unreadable: the decision (a refusal) is the fixer's, below
+                return True  # the decision (a refusal) is the fixer's, below
     return False
 
 

@@ -325,7 +325,8 @@ def _may_bring_save(node) -> bool:
 
 def resolve_script(script: Path, data: bytes, chat_root: Path) -> Resolution:
     """Which file the script's save_hf_format comes from, and under which dotted names."""
-    tree, decoded = parse_script(data, str(script))
+    shown = os.path.relpath(script, chat_root)  # errors name files relative to the checkout, as every verb does
+    tree, decoded = parse_script(data, Path(shown).as_posix() if not shown.startswith("..") else str(script))
     source = Source(decoded.text)
     roots, notes = search_path(script, tree, source, chat_root)
     res = Resolution(script, None, (), roots, notes=notes)

@@ -42,17 +42,22 @@ def parse(data: bytes) -> tuple:
     return ast.parse(decoded.text), decoded
 
 
+class Unreadable(DsfixError):
+    """Python cannot read the file (it does not parse, or cannot be decoded): no verb can tell from it what dsfix
+    changed, so none can decide anything about it (exit 2, the one line below)."""
+
+
 def parse_script(data: bytes, rel: str) -> tuple:
-    """(ast tree, Decoded) of a file; a DsfixError naming the file and Python's own line when Python cannot
+    """(ast tree, Decoded) of a file; ``Unreadable`` naming the file and Python's own line when Python cannot
     read it."""
     try:
         return parse(data)
     except (UnicodeDecodeError, LookupError) as e:
-        raise DsfixError(f"cannot be decoded: {e}", path=rel) from None
+        raise Unreadable(f"cannot be decoded: {e}", path=rel) from None
     except SyntaxError as e:  # ValueError too: a NUL byte, which ast reports as SyntaxError since 3.12
-        raise DsfixError(f"does not parse: {e.msg}", path=rel, line=e.lineno) from None
+        raise Unreadable(f"does not parse: {e.msg}", path=rel, line=e.lineno) from None
     except ValueError as e:  # Python before 3.12, on a NUL byte
-        raise DsfixError(f"does not parse: {e}", path=rel) from None
+        raise Unreadable(f"does not parse: {e}", path=rel) from None
 
 
 def parse_cst(data: bytes, rel: str) -> cst.Module:

@@ -227,13 +227,20 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def clear_temps(targets) -> None:
+    """The temporary files a killed earlier run left beside ``targets`` (``.NAME.PID.dsfix-tmp``, nothing else)
+    removed; under the lock, no other run is writing them."""
+    for target in targets:
+        for stale in target.parent.glob(f".{target.name}.*{TMP_SUFFIX}"):
+            if stale.name[len(target.name) + 2:-len(TMP_SUFFIX)].isdigit():
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+
+
 def _write_temp(target: Path, data: bytes) -> Path:
     """``data`` in a temporary file beside ``target`` (same folder, same mode), fsynced. Temporary files of
     a killed earlier run beside the same target are removed first."""
-    for stale in target.parent.glob(f".{target.name}.*{TMP_SUFFIX}"):
-        if stale.name[len(target.name) + 2:-len(TMP_SUFFIX)].isdigit():  # .NAME.PID.dsfix-tmp, nothing else
-            with contextlib.suppress(OSError):
-                stale.unlink()
+    clear_temps([target])
     tmp = target.parent / f".{target.name}.{os.getpid()}{TMP_SUFFIX}"
     try:
         write_synced(tmp, data)
@@ -251,6 +258,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
     folder with ``state`` (a Saved, None to remove it, KEEP to leave it): all of it, or nothing."""
     folder, pid = root / STATE_DIR, os.getpid()
     new_dir, old_dir = root / f"{STATE_DIR}.new-{pid}", root / f"{STATE_DIR}.old-{pid}"
+    gone = root / f"{STATE_DIR}.gone-{pid}"
     temps, done, swapped = [], [], False
     try:
         if isinstance(state, Saved):
@@ -269,12 +277,11 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
             stop_point("commit.renamed")  # tests: commit.renamed#N, after the Nth file is in place
         for target, _tmp in temps:
             fsync_dir(target.parent)
+        if old_dir.exists():  # the old state folder is no longer one to put back: a name recover() removes
+            _swap_state(old_dir, None, gone, None)  # failing, it is still one: all is rolled back, as before
     except BaseException:
         _roll_back(done, temps, swapped, folder, new_dir, old_dir, state)
         raise
-    gone = root / f"{STATE_DIR}.gone-{pid}"
-    if old_dir.exists():  # the old state folder is no longer one to put back: a name recover() removes
-        os.replace(old_dir, gone)
     Written.mark()  # every file is in place: an interrupt from here on leaves them written
     stop_point("commit.done")  # tests
     shutil.rmtree(gone, ignore_errors=True)
