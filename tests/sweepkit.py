@@ -277,7 +277,10 @@ def checkpoint_stamp() -> str:
 
 def keep_checkpoint(cache, ckpt: Path, model_dir: Path) -> None:
     """A copy of the ZeRO-3 checkpoint and its model folder in pytest's cache folder, for the extended tier,
-    which runs in a later session (``.ci/run`` runs it after the main suite): no ranks launched again."""
+    which runs in a later session (``.ci/run`` runs it after the main suite): no ranks launched again. Nothing
+    where pytest runs without its cache (``cache`` None: ``-p no:cacheprovider``)."""
+    if cache is None:
+        return
     folder = cache.mkdir(CACHE_KEY)
     stamp = folder / "stamp"
     if stamp.exists() and stamp.read_text() == checkpoint_stamp():
@@ -291,6 +294,8 @@ def keep_checkpoint(cache, ckpt: Path, model_dir: Path) -> None:
 
 def kept_checkpoint(cache) -> Optional[tuple]:
     """(checkpoint, model folder) kept by ``keep_checkpoint`` for these versions, or None."""
+    if cache is None:
+        return None
     folder = cache.mkdir(CACHE_KEY)
     stamp = folder / "stamp"
     if stamp.exists() and stamp.read_text() == checkpoint_stamp():

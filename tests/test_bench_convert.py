@@ -15,6 +15,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "bench_convert.py")
 
 
+@pytest.mark.extended  # 20 s of a benchmark's harness: kept from rotting in the extended tier
 def test_quick_run_prints_the_table_and_converts(tmp_path):
     json_path = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "PY_COLORS", "GITHUB_ACTIONS")}

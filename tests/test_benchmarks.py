@@ -43,6 +43,7 @@ def test_bench_save_quick(tmp_path):
     assert by_method["finite"]["finite"] is True and by_method["finite"]["bytes_written"] == 0
 
 
+@pytest.mark.extended  # a launch of 2 ranks (17 s): beside the device check, which runs bench_save too
 def test_bench_zero3_quick(tmp_path):
     pytest.importorskip("deepspeed")
     # its own per-launch limit, below this test's, so that a hung launch is killed with all its ranks

@@ -152,7 +152,7 @@ def engine_checkpoint(request, tmp_path_factory):
     pytest.importorskip("deepspeed")
     from sweepkit import keep_checkpoint, kept_checkpoint
 
-    kept = kept_checkpoint(request.config.cache)
+    kept = kept_checkpoint(getattr(request.config, "cache", None))
     if kept is not None:
         return kept
     from smokekit import REPO, launch_ranks
@@ -172,7 +172,7 @@ def engine_checkpoint(request, tmp_path_factory):
     config.save_pretrained(str(model_dir))
     GenerationConfig(max_new_tokens=8).save_pretrained(str(model_dir))
     helper.tiny_qwen3_tokenizer().save_pretrained(str(model_dir))
-    keep_checkpoint(request.config.cache, base / "ckpt" / "zero3", model_dir)
+    keep_checkpoint(getattr(request.config, "cache", None), base / "ckpt" / "zero3", model_dir)
     return base / "ckpt" / "zero3", model_dir
 
 
