@@ -197,7 +197,7 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
         try:
             weight_files(folder)
         except DsfixError as e:  # a save killed between moving a file aside and its successor in
-            killed = leftover_check(folder) if _holds_dsfix_names(folder) else None
+            killed = leftover_check(folder)
             if killed is None or killed.ok:
                 raise
             raise DsfixError(f"{e.message}; {killed.detail}", path=e.path) from None
@@ -228,6 +228,8 @@ def leftover_check(path) -> Optional[Check]:
     previous save's, and names them: those in place, those missing, those moved aside."""
     import os
 
+    if not _holds_dsfix_names(Path(path)):  # nothing a save could have left: no need of torch to say so
+        return None
     from patcher.templates.dsfix_safetensors import find_leftovers
 
     found = find_leftovers(str(path))
@@ -286,19 +288,7 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite:
     checks.append(Check("files", not problems, "; ".join(problems) if problems else f"{what}, {len(head.entries)} tensors"))
 
     kind = folder_kind(head.entries)
-    expected_shapes: Optional[dict] = None
-    tie_groups: list = []
-    built = None
-    if cfg is not None:
-        try:
-            model = meta_model(cfg, kind)
-            built = model_name(model, kind)
-            expected_shapes, tie_groups = expected_of(model)
-            del model
-        except Exception as e:
-            what = "the critic (AutoModel + v_head)" if kind == CRITIC else "a causal-LM"
-            checks.append(Check("keys", False, f"cannot build {what} from {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
-
+    expected_shapes, tie_groups, built = _expected(cfg, kind, checks)
     if expected_shapes is not None:
         keys = keys_check(head, expected_shapes, tie_groups)
         if kind == CRITIC:
@@ -331,6 +321,23 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite:
         expected=len(expected_shapes) if expected_shapes is not None else None,
         kind=kind,
     )
+
+
+def _expected(cfg, kind: str, checks: list) -> tuple[Optional[dict], list, Optional[str]]:
+    """(expected shapes, tie groups, the model class built) from ``cfg``'s model built on the meta device;
+    (None, [], None) without a config, or with a failing "keys" row appended to ``checks`` when it cannot
+    be built."""
+    if cfg is None:
+        return None, [], None
+    try:
+        model = meta_model(cfg, kind)
+        built = model_name(model, kind)
+        expected_shapes, tie_groups = expected_of(model)
+        return expected_shapes, tie_groups, built
+    except Exception as e:
+        what = "the critic (AutoModel + v_head)" if kind == CRITIC else "a causal-LM"
+        checks.append(Check("keys", False, f"cannot build {what} from {CONFIG_NAME} on meta: {type(e).__name__}: {e}"))
+        return None, [], None
 
 
 def _tied_check(folder: Path, head: Header, tie_groups: list) -> Check:
