@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Optional
 
 from patcher.checkpoint import checks as ck
 from patcher.checkpoint.checks import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Check, Header, examples
-from patcher.checkpoint.files import claim, clear_stale, fsync, release
+from patcher.checkpoint.files import clear_stale, fsync, make_staging, release
 from patcher.checkpoint.verify import model_folders
 from patcher.checkpoint.progress import Progress
 from patcher.errors import OK, PENDING, DsfixError, Written, need_folder, stop_point
@@ -473,11 +472,10 @@ def _stage(plan: _Plan, load: bool, advance) -> tuple[Path, list, list]:
     Raises DsfixError (code 2) when the folder cannot be written, with the staging folder removed.
     """
     try:
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=str(plan.folder)))
+        staging = make_staging(plan.folder, STAGING_PREFIX)  # held until removed: never taken for a killed run's
     except OSError as e:
         raise DsfixError(f"cannot write here: {e.strerror or e}; nothing written", path=str(plan.folder))
     try:
-        claim(staging)  # until it is removed: no other run takes it for a killed run's
         written, checks = _write_and_check(plan, staging, load, advance)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

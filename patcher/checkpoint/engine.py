@@ -39,7 +39,7 @@ from patcher.checkpoint.checks import (
     CONFIG_NAME, INDEX_NAME, Check, Header, examples, keys_check, load_config, nonempty_check, shapes_check,
 )
 from patcher.checkpoint.convert import ConvertStatus
-from patcher.checkpoint.files import claim, clear_stale, fsync, fsync_folder, make_staging, release
+from patcher.checkpoint.files import clear_stale, fsync, fsync_folder, make_staging, release
 from patcher.checkpoint.progress import Progress
 from patcher.checkpoint.verify import expected_of, load_check, meta_model, verify_folder
 from patcher.checkpoint.zero import Layout, load_pt
@@ -425,11 +425,10 @@ def _convert(job: _Job, config: Path, output: Path, load: bool, cfg, checks: lis
     The staged files go to the disk (fsync) on a thread while they are checked; the rename waits for it."""
     clear_stale(output.parent, STAGING_PREFIX)  # a killed run's
     try:
-        staging = make_staging(output.parent, STAGING_PREFIX)
+        staging = make_staging(output.parent, STAGING_PREFIX)  # held until renamed or removed
     except OSError as e:
         raise DsfixError(f"cannot write here: {e.strerror or e}; nothing written", path=str(output.parent))
     try:
-        claim(staging)  # until it is renamed or removed: no other run takes it for a killed run's
         with ThreadPoolExecutor(max_workers=1) as disk:
             files, stage, kept = _write(job, staging)
             _copy_config(config, staging, output)

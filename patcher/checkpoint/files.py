@@ -26,17 +26,7 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-_claimed: dict = {}  # staging folder -> the descriptor that holds its lock
-
-
-def claim(staging: Path) -> None:
-    """Mark ``staging`` (a folder this run made) as in use until ``release``: an exclusive lock on it, which
-    the system also drops when the process ends, however it ends."""
-    import fcntl
-
-    fd = os.open(str(staging), os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    _claimed[str(staging)] = fd
+_claimed: dict = {}  # staging folder -> the descriptor that holds its lock (make_staging)
 
 
 def release(staging: Path) -> None:
@@ -48,7 +38,7 @@ def release(staging: Path) -> None:
 
 def clear_stale(parent: Path, prefix: str) -> None:
     """Remove the staging folders (``parent/PREFIX…``) of runs that were killed: those no live run holds
-    (``claim``). A run killed before it renamed its staging folder into place leaves it behind; this is the
+    (``make_staging``). A run killed before it renamed its staging folder into place leaves it behind; this is the
     next run's "removes it by itself"."""
     import fcntl
     import shutil
@@ -80,9 +70,12 @@ def fsync_folder(folder: Path) -> None:
 
 
 def make_staging(parent: Path, prefix: str) -> Path:
-    """A new folder ``parent/PREFIX…`` created as any folder the user makes: its mode follows the umask (0755
-    under 022, 0775 under 002), so the folder renamed into place from it is readable where the user's folders
-    are (``tempfile.mkdtemp`` would leave it 0700)."""
+    """A new folder ``parent/PREFIX…``, held by this run until ``release``: an exclusive lock on it, which
+    the system also drops when the process ends, however it ends, so that ``clear_stale`` takes only killed
+    runs' folders. It is created as any folder the user makes: its mode follows the umask (0755 under 022,
+    0775 under 002), so the folder renamed into place from it is readable where the user's folders are
+    (``tempfile.mkdtemp`` would leave it 0700)."""
+    import fcntl
     import secrets
 
     for _ in range(100):
@@ -91,5 +84,12 @@ def make_staging(parent: Path, prefix: str) -> Path:
             os.mkdir(path, 0o777)
         except FileExistsError:
             continue
+        try:
+            fd = os.open(str(path), os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            os.rmdir(path)
+            raise
+        _claimed[str(path)] = fd
         return path
     raise FileExistsError(f"no free name for a staging folder in {parent}")
