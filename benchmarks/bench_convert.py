@@ -100,7 +100,7 @@ def make_folder(config_path, folder):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sys.path.insert(0, REPO_ROOT)
-    from patcher.checkpoint.verify import dtype_kwarg
+    from patcher.checkpoint.check.load import dtype_kwarg
 
     cfg = AutoConfig.from_pretrained(config_path)
     torch.manual_seed(0)

@@ -89,25 +89,27 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 t2 = time.perf_counter()
 from patcher import cli
-from patcher.checkpoint import engine
+import importlib
+from patcher.checkpoint.readers.engine import EngineReader
 parts = {"import torch": t1 - t0, "import transformers (AutoConfig, AutoModelForCausalLM)": t2 - t1}
-def timed(module, name, label):
-    inner = getattr(module, name)
+def timed(owner, name, label):
+    inner = getattr(owner, name)
     def wrapper(*a, **k):
         start = time.perf_counter()
         try:
             return inner(*a, **k)
         finally:
             parts[label] = parts.get(label, 0.0) + time.perf_counter() - start
-    setattr(module, name, wrapper)
-for name, label in (("open_checkpoint", "open the checkpoint (rank 0's files, refusals)"),
-                    ("load_config", "read config.json"),
-                    ("_plan", "plan: the config's model on meta, keys, shapes, ties"),
-                    ("_write", "write: read the partitions, cast, pwrite"),
-                    ("verify_folder", "checks of the written folder (headers, keys, tied bytes)"),
-                    ("load_check", "reload: from_pretrained, tied"),
-                    ("_wait_durable", "wait for the fsync thread")):
-    timed(engine, name, label)
+    setattr(owner, name, wrapper)
+for module, name, label in (
+        ("patcher.checkpoint.readers", "open_step", "open the checkpoint (rank 0's files, refusals)"),
+        ("patcher.checkpoint.check.model", "load_config", "read config.json"),
+        ("patcher.checkpoint.write.plan", "make_plan", "plan: the config's model on meta, keys, shapes, ties"),
+        ("patcher.checkpoint.write.stage", "verify_folder", "checks of the written folder (headers, keys, tied bytes)"),
+        ("patcher.checkpoint.write.stage", "load_check", "reload: from_pretrained, tied"),
+        ("patcher.checkpoint.write.stage", "fsync_folder", "fsync (on a thread, beside the checks)")):
+    timed(importlib.import_module(module), name, label)
+timed(EngineReader, "stream", "write: read the partitions, cast, pwrite")
 argv = sys.argv[1:]
 start = time.perf_counter()
 try:
@@ -163,7 +165,7 @@ def run_child(args, cwd):
 def make_checkpoint(work, steps, producer="engine"):
     """2 CPU ranks save a ZeRO-3 checkpoint of full-size Qwen3-0.6B, with engine.save_checkpoint or through the
     Trainer; returns (checkpoint, model folder for --config, or None: the Trainer's checkpoint holds its config)."""
-    from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group
+    from patcher.checkpoint.smoke.ranks import deepspeed_launcher, free_port, rank_env, run_group
 
     launcher = deepspeed_launcher()
     if launcher is None:

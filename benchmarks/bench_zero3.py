@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 sys.path.insert(0, common.REPO_ROOT)
-from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group, skip_shm_allreduce  # noqa: E402
+from patcher.checkpoint.smoke.ranks import deepspeed_launcher, free_port, rank_env, run_group, skip_shm_allreduce  # noqa: E402
 
 METHODS = (("one", "dsfix one at a time"), ("bucketed", "dsfix bucketed (default)"),
            ("dedupe", "dsfix bucketed, dedupe (upstream's bytes)"),

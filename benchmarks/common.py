@@ -48,7 +48,7 @@ def build_model(config_path, device="cpu", seed=0):
 
     if REPO_ROOT not in sys.path:  # run as a script: dsfix from this checkout
         sys.path.insert(0, REPO_ROOT)
-    from patcher.checkpoint.verify import dtype_kwarg
+    from patcher.checkpoint.check.load import dtype_kwarg
 
     config = AutoConfig.from_pretrained(config_path)
     with torch.device("meta"):

@@ -159,7 +159,7 @@ class Check:
         for name in ("FORCE_COLOR", "PY_COLORS"):
             env.pop(name, None)
         if ranks is not None and self.cpu:
-            from patcher.checkpoint.ranks import rank_env
+            from patcher.checkpoint.smoke.ranks import rank_env
 
             env = rank_env(env, nproc=ranks)
             env["OMP_NUM_THREADS"] = "1"
@@ -341,7 +341,7 @@ def _launch(check, log, script, script_args, env, cwd):
     """One rank: on a GPU through DeepSpeed's launcher (python -m deepspeed.launcher.runner --num_gpus 1), on the
     CPU started directly with the variables that launcher sets for its one rank (the launcher's own two Python
     processes would double this stage's time on a small CPU). (exit code, output)."""
-    from patcher.checkpoint.ranks import free_port
+    from patcher.checkpoint.smoke.ranks import free_port
 
     port = str(free_port())
     if check.cpu:

@@ -1,4 +1,4 @@
-from patcher.errors import interrupt_at_startup
+from patcher.startup import interrupt_at_startup
 
 interrupt_at_startup()  # before the imports that take most of a second: Ctrl-C there is one line, exit 130
 

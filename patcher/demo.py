@@ -55,6 +55,9 @@ class DemoResult(Result):
                 "steps": [{"step": r.step, "ok": r.ok, "detail": r.detail, "seconds": round(r.seconds, 3)}
                           for r in self.rows]}
 
+    def render(self, out, opts: dict) -> None:
+        print_demo(self, out.console)
+
 
 def print_demo(result: DemoResult, console) -> None:
     """The steps' table, the verdict and what to run next, on ``console`` (stderr)."""

@@ -136,8 +136,8 @@ def zero3_article_run(tmp_path_factory):
 def killed_op_build(tmp_path_factory):
     """Every process the tests start finds a torch extensions folder holding the lock of a killed build of
     DeepSpeed's shared-memory all-reduce: one that tried to build that op would wait on the lock until its
-    test's limit. So every launch of ranks also checks that they use gloo alone (patcher.checkpoint.ranks)."""
-    from patcher.checkpoint.ranks import SHM_OP
+    test's limit. So every launch of ranks also checks that they use gloo alone (patcher.checkpoint.smoke.ranks)."""
+    from patcher.checkpoint.smoke.ranks import SHM_OP
 
     folder = tmp_path_factory.mktemp("torch-extensions")
     (folder / SHM_OP).mkdir()

@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 from tiny_qwen3 import tiny_qwen3_model, tiny_qwen3_tokenizer  # noqa: E402
 
 from faultkit import Faults  # noqa: E402
-from patcher.checkpoint.ranks import skip_shm_allreduce  # noqa: E402
+from patcher.checkpoint.smoke.ranks import skip_shm_allreduce  # noqa: E402
 from patcher.templates import dsfix_safetensors as M  # noqa: E402
 from savesweep import Sweep, _generic, previous_save  # noqa: E402
 

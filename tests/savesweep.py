@@ -203,7 +203,7 @@ class Sweep:
         complete = _plain(killed) == _plain(self.expected)  # killed once the new save was all in place
         if changed - named and not complete:
             problems.append(f"{where}: the killed save changed files no leftover names: {sorted(changed - named)}")
-        from patcher.checkpoint.verify import leftover_check
+        from patcher.checkpoint.check.verify import leftover_check
 
         check = leftover_check(self.out)
         if changed and not complete and (check is None or check.ok or not all(n in check.detail for n in changed)):

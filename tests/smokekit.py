@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.checkpoint.ranks import deepspeed_launcher, free_port, rank_env, run_group
+from patcher.checkpoint.smoke.ranks import deepspeed_launcher, free_port, rank_env, run_group
 
 REPO = Path(__file__).resolve().parent.parent
 NARROW = REPO / "fixtures" / "models" / "qwen3-narrow" / "config.json"
@@ -129,7 +129,7 @@ def narrow_model(dtype="float32", seed=0):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from patcher.checkpoint.verify import dtype_kwarg
+    from patcher.checkpoint.check.load import dtype_kwarg
 
     torch.manual_seed(seed)
     cfg = AutoConfig.from_pretrained(str(NARROW))

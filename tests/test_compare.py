@@ -1,4 +1,4 @@
-"""dsfix verify DIR --against REF_DIR (patcher/checkpoint/compare.py): two model folders, tensor by tensor.
+"""dsfix verify DIR --against REF_DIR (patcher/checkpoint/check/compare.py): two model folders, tensor by tensor.
 
 Fast tier: small safetensors folders written here (one file or shards with an index), without config.json
 (no ties to build). Slow tier: the narrow tied Qwen3's config, for the ties.
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from patcher.checkpoint import compare
+from patcher.checkpoint.check import compare, values
 from patcher.checkpoint.verify import compare_path
 from patcher.errors import DsfixError
 
@@ -107,9 +107,9 @@ def test_large_tensors_are_read_a_block_of_rows_at_a_time(tmp_path, monkeypatch)
     changed[63, 31] += 0.5  # in the last block only
     ref = _folder(tmp_path / "ref", {"w": big})
     reads = []
-    original = compare._block
-    monkeypatch.setattr(compare, "CHUNK_BYTES", 8 * 32 * 8)  # 8 rows of float64 a block
-    monkeypatch.setattr(compare, "_block", lambda a, b, atol, rtol: reads.append(a.shape[0]) or original(a, b, atol, rtol))
+    original = values.difference
+    monkeypatch.setattr(values, "BLOCK_BYTES", 8 * 32 * 8)  # 8 rows of float64 a block
+    monkeypatch.setattr(values, "difference", lambda a, b, atol, rtol: reads.append(a.shape[0]) or original(a, b, atol, rtol))
     report = compare.compare_folders(_folder(tmp_path / "out", {"w": changed}), ref)
     assert not report.ok and reads == [8] * 8
     assert report.rows[0].max_diff == 0.5

@@ -36,7 +36,7 @@ from smokekit import NARROW, narrow_model, same_attention  # noqa: E402
 from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
 from patcher.checkpoint.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patcher.checkpoint.verify import verify_folder  # noqa: E402
+from patcher.checkpoint.check.verify import verify_folder  # noqa: E402
 
 PROBE = torch.tensor([[5, 17, 3, 99, 250, 7, 42, 1, 300]])
 
@@ -195,20 +195,25 @@ def save_sharded_zero3_like(module, out, shards=3):
     return out, sorted(set(weight_map.values()))
 
 
-def test_sharded_bin_becomes_sharded_safetensors(tmp_path, model):
+def test_sharded_bin_becomes_safetensors_in_the_5_gib_layout(tmp_path, model):
+    """One rule for every convert: the output's files follow the 5 GiB layout (transformers' and the save
+    module's), whatever the input's shards were: a small model is one file, a shard size splits it."""
     folder, shards = save_sharded_zero3_like(model, tmp_path / "sharded")
     code, out, _ = cli("convert", folder, "--remove-bin", "--json")
     assert code == 0
     (result,) = json.loads(out)["folders"]
-    assert result["source"] == shards and result["tensors"] == 311
+    assert result["source"] == shards and result["tensors"] == 311 and result["written"] == ["model.safetensors"]
     assert result["restored"] == ["lm_head.weight <- model.embed_tokens.weight"]
     assert sorted(result["removed"]) == sorted(shards + ["pytorch_model.bin.index.json"])
     assert not list(folder.glob("*.bin")) and not (folder / "pytorch_model.bin.index.json").exists()
+    assert verify_folder(folder, expect=311).ok
+    assert torch.equal(reload_logits(folder, model), logits(model))
 
+    folder, shards = save_sharded_zero3_like(model, tmp_path / "sharded-small")
+    (result,) = convert(folder, max_shard_size=600_000, load=False).folders
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
-    assert files == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
-    assert index["weight_map"]["lm_head.weight"] == index["weight_map"]["model.embed_tokens.weight"] == files[0]
+    assert result.ok and result.written == tuple(files + ["model.safetensors.index.json"]) and len(files) > 1
     state = safetensors_state(folder)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
     report = verify_folder(folder, expect=311)
@@ -217,7 +222,7 @@ def test_sharded_bin_becomes_sharded_safetensors(tmp_path, model):
 
     folder, shards = save_sharded_zero3_like(model, tmp_path / "sharded-dedupe")
     (result,) = convert(folder, strategy="dedupe", load=False).folders
-    assert result.ok and result.tensors == 310 and len(result.written) == 4  # 3 shards and the index
+    assert result.ok and result.tensors == 310 and result.written == ("model.safetensors",)
     assert verify_folder(folder, expect=310).ok
 
 
@@ -231,7 +236,7 @@ def test_transformers_sharded_bin_converts(tmp_path, model):
     shards = sorted(p.name for p in folder.glob("pytorch_model-*.bin"))
     assert len(shards) > 1 and (folder / "pytorch_model.bin.index.json").is_file()
     (result,) = convert(folder).folders
-    assert result.ok and result.tensors == 311 and len(result.written) == len(shards) + 1
+    assert result.ok and result.tensors == 311 and result.written == ("model.safetensors",)
     assert verify_folder(folder, expect=311).ok
     assert torch.equal(reload_logits(folder, model), logits(model))
 
@@ -447,7 +452,7 @@ def test_a_write_that_fails_leaves_the_folder_as_it_was(tmp_path, model):
     p = subprocess.run([sys.executable, "-m", "patcher", "convert", str(folder)], env=CLEAN_ENV,
                        capture_output=True, timeout=300, preexec_fn=_limit_file_size)
     assert p.returncode == 2, p.stderr.decode()[-2000:]
-    assert b"cannot write here" in p.stderr and b"nothing written" in p.stderr
+    assert b"cannot write the converted files: File too large" in p.stderr and b"nothing written" in p.stderr
     assert snapshot(folder) == before and not staging_left(folder)
 
 

@@ -1,4 +1,4 @@
-"""dsfix convert of DeepSpeed engine checkpoints (patcher/checkpoint/engine.py).
+"""dsfix convert of DeepSpeed engine checkpoints (patcher/checkpoint/readers, patcher/checkpoint/convert).
 
 Fast tier: the flat-partition maps against partitions built here the way DeepSpeed lays them out, the
 weights-only loader and its allow-list, finding the step folder. Slow tier: one launch of 2 CPU ranks
@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from patcher.checkpoint import engine, lora, refuse, universal, zero
+from patcher.checkpoint.convert import convert
+from patcher.checkpoint.names import STAGING_PREFIX
+from patcher.checkpoint.readers import find, load, open_step, refuse, step_reader, zero3, zero12
+from patcher.checkpoint.steps import lora
 from patcher.errors import DsfixError
 
 torch = pytest.importorskip("torch")
@@ -87,7 +90,7 @@ ZERO12_CASES = [  # (groups of (name, numel), world, paddings)
 def test_zero12_pieces_rebuild_every_parameter(groups, world, paddings):
     parts, values = _zero12_flatten(groups, world, paddings)
     sizes = [parts[0][g].numel() for g in range(len(groups))]
-    pieces = zero.zero12_pieces(groups, sizes, world, paddings)
+    pieces = zero12.pieces(groups, sizes, world, paddings)
     assert [p.rank for p in pieces] == sorted(p.rank for p in pieces)  # rank by rank: one file at a time
     out, seen = _rebuild(pieces, parts, {n: v.numel() for n, v in values.items()})
     assert seen == {n: v.numel() for n, v in values.items()}
@@ -108,7 +111,7 @@ ZERO3_CASES = [  # (params, world, where the flat groups split each rank's slice
 def test_zero3_pieces_rebuild_every_parameter(params, world, split_at):
     parts, values = _zero3_flatten(params, world, split_at)
     sizes = [t.numel() for t in parts[0]]
-    pieces = zero.zero3_pieces(params, world, sizes)
+    pieces = zero3.pieces(params, world, sizes)
     out, seen = _rebuild(pieces, parts, dict(params))
     assert seen == dict(params)
     for name, value in values.items():
@@ -116,10 +119,10 @@ def test_zero3_pieces_rebuild_every_parameter(params, world, split_at):
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: zero.zero12_pieces([[("a", 10)]], [4], 2), "need 10 elements"),
-    (lambda: zero.zero12_pieces([[("a", 2)]], [8], 2), "not the layout"),
-    (lambda: zero.zero12_pieces([[("a", 2), ("b", 2)]], [2], 2, [[0]]), "paddings for 2 parameters"),
-    (lambda: zero.zero3_pieces([("a", 10)], 2, [4]), "hold 4 elements"),
+    (lambda: zero12.pieces([[("a", 10)]], [4], 2), "need 10 elements"),
+    (lambda: zero12.pieces([[("a", 2)]], [8], 2), "not the layout"),
+    (lambda: zero12.pieces([[("a", 2), ("b", 2)]], [2], 2, [[0]]), "paddings for 2 parameters"),
+    (lambda: zero3.pieces([("a", 10)], 2, [4]), "hold 4 elements"),
 ])
 def test_maps_refuse_partitions_that_do_not_fit(call, message):
     with pytest.raises(ValueError, match=message):
@@ -141,9 +144,9 @@ def test_loader_admits_deepspeed_types_as_plain_records(tmp_path):
         "loss_scaler": LossScaler(1.0), "dynamic": DynamicLossScaler(2.0**16, 1000, 1, 2, False),
         "zero_stage": ZeroStageEnum.gradients, "slices": {"w": fragment_address(numel=4, start=8)},
         "flat": [torch.arange(6, dtype=torch.float32)]}}, path)
-    osd = zero.load_pt(path)["optimizer_state_dict"]
-    assert type(osd["loss_scaler"]) is zero.LossScalerRecord and osd["loss_scaler"].cur_scale == 1.0
-    assert type(osd["dynamic"]) is zero.DynamicLossScalerRecord and osd["dynamic"].dtype is torch.float16
+    osd = load.load_deepspeed(path)["optimizer_state_dict"]
+    assert type(osd["loss_scaler"]) is load.LossScalerRecord and osd["loss_scaler"].cur_scale == 1.0
+    assert type(osd["dynamic"]) is load.DynamicLossScalerRecord and osd["dynamic"].dtype is torch.float16
     assert osd["zero_stage"] == 2 and type(osd["zero_stage"]) is int
     assert (osd["slices"]["w"].numel, osd["slices"]["w"].start) == (4, 8)
     assert torch.equal(osd["flat"][0], torch.arange(6, dtype=torch.float32))
@@ -171,7 +174,7 @@ def test_loader_refuses_any_other_type_naming_it_and_runs_nothing(tmp_path, payl
     path = tmp_path / "evil.pt"
     torch.save(payload(marker), path)
     with pytest.raises(DsfixError) as info:
-        zero.load_pt(path)
+        load.load_deepspeed(path)
     assert info.value.code == 2 and "refused" in str(info.value) and named in str(info.value)
     assert "\n" not in str(info.value) and len(str(info.value)) < 400
     assert not marker.exists()
@@ -186,7 +189,7 @@ def test_loader_refuses_unreadable_files(tmp_path, content, message):
     if content is not None:
         path.write_bytes(content)
     with pytest.raises(DsfixError, match=message):
-        zero.load_pt(path)
+        load.load_deepspeed(path)
 
 
 # --------------------------------------------------------------------------- finding the step folder
@@ -234,14 +237,19 @@ def _fake_step(folder, stage3=True, ranks=(0, 1), prefix="bf16_"):
 def test_find_source(tmp_path, setup, tag, expect):
     root = tmp_path / "root"
     setup(root)
-    assert engine.is_engine_checkpoint(root)
+    assert find.is_engine_checkpoint(root)
+    def files():
+        folder, _, _ = find.step_folder(root, tag)
+        reader = step_reader(folder)
+        return folder, reader, reader.files(folder)
+
     if expect.startswith(("global_step", "root")):
-        layout = engine.find_source(root, tag)
-        assert layout.folder.name == expect and len(layout.optim_files or layout.model_files) in (1, 2)
-        assert layout.universal == expect.endswith("_universal") or (expect == "root" and layout.universal)
+        folder, reader, (model_files, optim_files, _) = files()
+        assert folder.name == expect and len(optim_files or model_files) in (1, 2)
+        assert (reader.kind == "universal") == expect.endswith("_universal") or (expect == "root" and reader.kind == "universal")
     else:
         with pytest.raises(DsfixError) as info:
-            engine.find_source(root, tag)
+            files()
         assert expect in str(info.value) and "\n" not in str(info.value)
 
 
@@ -259,7 +267,7 @@ def _fake_universal(folder, stage3=True, ranks=(0, 1)):
 def test_a_bin_folder_is_not_an_engine_checkpoint(tmp_path):
     (tmp_path / "pytorch_model.bin").touch()
     (tmp_path / "config.json").write_text("{}")
-    assert not engine.is_engine_checkpoint(tmp_path)
+    assert not find.is_engine_checkpoint(tmp_path)
 
 
 # --------------------------------------------------------------------------- refusals, over small real-shaped files
@@ -331,11 +339,11 @@ def test_unproven_layouts_are_refused_in_one_line_with_nothing_written(tmp_path,
     ckpt = _tiny_zero2(tmp_path / "ckpt" / "global_step1", meta, tweak, files)
     (tmp_path / "ckpt" / "latest").write_text("global_step1")
     if words is None:
-        layout, read, world = engine.open_checkpoint(tmp_path / "ckpt", None)
-        assert (layout.folder, world, [len(g) for g in read["param_shapes"]]) == (ckpt, 2, [2])
+        reader = open_step(*find.step_folder(tmp_path / "ckpt")[:2])
+        assert (reader.folder, reader.world, [len(g) for g in reader.meta["param_shapes"]]) == (ckpt, 2, [2])
         return
     with pytest.raises(DsfixError) as info:
-        engine.convert_engine(tmp_path / "ckpt", NARROW_CONFIG, tmp_path / "out")
+        convert(tmp_path / "ckpt", config=NARROW_CONFIG, output=tmp_path / "out")
     message = str(info.value)
     assert info.value.code == 2 and words in message and message.count("refused") == 1, message
     assert "\n" not in message and "nothing written" in message and len(message) < 400
@@ -362,10 +370,9 @@ def _tiny_universal(folder, param):
 ])
 def test_universal_parameter_files_that_are_not_plain_data_parallel_are_refused(tmp_path, param, words):
     folder = _tiny_universal(tmp_path / "global_step1_universal", param)
-    layout = engine.find_source(folder)
-    meta = zero.load_pt(layout.model_files[0])
+    reader = open_step(folder)
     with pytest.raises(DsfixError) as info:
-        universal.stream(layout, meta, 2, lambda name, dst, data: None)
+        reader.stream(lambda name, dst, data: None)
     assert info.value.code == 2 and words in str(info.value), str(info.value)
 
 
@@ -373,10 +380,10 @@ def test_universal_reads_each_parameter_file_in_its_shape(tmp_path):
     folder = _tiny_universal(tmp_path / "global_step1_universal", {"param": torch.arange(8.0).reshape(4, 2), "cat_dim": 0})
     (folder / "zero" / "b").mkdir()
     torch.save(torch.arange(4.0) + 100, folder / "zero" / "b" / "fp32.pt")  # ZeRO-3's form: the bare flat tensor
-    layout = engine.find_source(folder)
+    reader = open_step(folder)
     got = {}
-    universal.stream(layout, zero.load_pt(layout.model_files[0]), 2, lambda n, dst, data: got.setdefault(n, (dst, data)))
-    assert layout.universal and not layout.stage3 and list(got) == ["w", "b"]
+    reader.stream(lambda n, dst, data: got.setdefault(n, (dst, data)))
+    assert reader.kind == "universal" and not reader.stage3 and list(got) == ["w", "b"]
     assert got["w"][0] == 0 and torch.equal(got["w"][1], torch.arange(8.0))
     assert torch.equal(got["b"][1], torch.arange(4.0) + 100)
 
@@ -542,7 +549,7 @@ def tiny_lora_helper():
 def test_fp32_is_bit_equal_to_zero_to_fp32(engine_checkpoints, tmp_path, stage):
     ckpt, model_dir = engine_checkpoints
     out = tmp_path / "out"
-    result = engine.convert_engine(ckpt / f"zero{stage}", model_dir, out, dtype="fp32", strategy="clone")
+    result = convert(ckpt / f"zero{stage}", config=model_dir, output=out, dtype="fp32", strategy="clone")
     assert result.ok, result.checks
     assert (result.stage, result.world, result.tensors, result.tag) == (stage, 2, 311, "global_step1")
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -556,7 +563,7 @@ def test_fp32_is_bit_equal_to_zero_to_fp32(engine_checkpoints, tmp_path, stage):
         # zero_to_fp32 keeps frozen parameters in their training dtype; widening bf16 to fp32 is exact
         assert torch.equal(_bits(written[key]), _bits(value.to(torch.float32))), key
     assert torch.equal(_bits(written["lm_head.weight"]), _bits(written["model.embed_tokens.weight"]))
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(engine.STAGING_PREFIX)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]
 
 
 @pytest.mark.slow
@@ -564,12 +571,12 @@ def test_fp32_is_bit_equal_to_zero_to_fp32(engine_checkpoints, tmp_path, stage):
 def test_bf16_equals_the_engine_model_and_loads_tied(engine_checkpoints, tmp_path, stage, strategy):
     from transformers import AutoModelForCausalLM
 
-    from patcher.checkpoint.verify import dtype_kwarg
+    from patcher.checkpoint.check.load import dtype_kwarg
 
     ckpt, model_dir = engine_checkpoints
     out = tmp_path / "out"
     given = ckpt / f"zero{stage}" / ("global_step1" if stage == 2 else "")  # the step folder itself, or its parent
-    result = engine.convert_engine(given, model_dir, out, dtype="auto", strategy=strategy)
+    result = convert(given, config=model_dir, output=out, dtype="auto", strategy=strategy)
     assert result.ok, result.checks
     assert result.dtype == "bfloat16" and result.tensors == (310 if strategy == "dedupe" else 311)
     assert result.tag == "global_step1"
@@ -598,7 +605,7 @@ def test_universal_fp32_is_bit_equal_to_zero_to_fp32(engine_checkpoints, univers
     source = universal_checkpoints / f"zero{stage}"
     assert (source / "latest_universal").read_text() == "global_step1_universal"
     out = tmp_path / "out"
-    result = engine.convert_engine(source if given == "root" else source / "global_step1_universal", model_dir, out,
+    result = convert(source if given == "root" else source / "global_step1_universal", config=model_dir, output=out,
                                    dtype="fp32")
     assert result.ok, result.checks
     assert (result.universal, result.stage, result.world, result.tensors, result.tag) == \
@@ -609,13 +616,13 @@ def test_universal_fp32_is_bit_equal_to_zero_to_fp32(engine_checkpoints, univers
     for key, value in reference.items():
         assert torch.equal(_bits(written[key]), _bits(value.to(torch.float32))), key
     assert torch.equal(_bits(written["lm_head.weight"]), _bits(written["model.embed_tokens.weight"]))
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(engine.STAGING_PREFIX)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]
 
 
 @pytest.mark.slow
 def test_universal_bf16_equals_the_engine_model(engine_checkpoints, universal_checkpoints, tmp_path):
     ckpt, model_dir = engine_checkpoints
-    result = engine.convert_engine(universal_checkpoints / "zero3", model_dir, tmp_path / "out", strategy="dedupe")
+    result = convert(universal_checkpoints / "zero3", config=model_dir, output=tmp_path / "out", strategy="dedupe")
     assert result.ok and result.dtype == "bfloat16" and result.tensors == 310, result.checks
     assert result.check("load").ok and "tied to the input embedding" in result.check("load").detail
     ref = torch.load(str(ckpt / "zero3" / "reference.pt"), weights_only=True)["state_dict"]
@@ -632,7 +639,7 @@ def test_lora_run_fused_equals_what_step1_saves(engine_checkpoints, tmp_path, ru
 
     ckpt, model_dir = engine_checkpoints
     source, keep = ckpt / f"lora{run['stage']}", run["stage"] == 3
-    result = engine.convert_engine(source, model_dir, tmp_path / "out", lora_scaling=run.get("scaling"), keep_lora=keep)
+    result = convert(source, config=model_dir, output=tmp_path / "out", lora_scaling=run.get("scaling"), keep_lora=keep)
     assert result.ok, result.checks
     assert result.lora == {"layers": 196, "ranks": [run["dim"]], "lora_scaling": float(run.get("scaling", 1)),
                            "scaling_given": "scaling" in run, "dtype": "bfloat16", "kept": keep}
@@ -641,7 +648,7 @@ def test_lora_run_fused_equals_what_step1_saves(engine_checkpoints, tmp_path, ru
     assert len(written) == 311 and set(written) == set(saved) and not [k for k in written if "lora" in k]
     for key in saved:
         assert torch.equal(_bits(written[key]), _bits(saved[key])), key
-    base = zero.load_pt(next((source / "global_step1").glob("*model_states.pt")))["frozen_param_fragments"]
+    base = load.load_deepspeed(next((source / "global_step1").glob("*model_states.pt")))["frozen_param_fragments"]
     name = "model.layers.0.self_attn.q_proj.weight"
     if run["stage"] == 2:  # the fusion changed the frozen base weight (ZeRO-3 keeps only a slice a rank)
         assert not torch.equal(written[name], base[name])
@@ -656,9 +663,9 @@ def test_lora_run_fused_equals_what_step1_saves(engine_checkpoints, tmp_path, ru
 def test_lora_scaling_is_refused_without_lora_and_changes_the_fusion(engine_checkpoints, tmp_path):
     ckpt, model_dir = engine_checkpoints
     with pytest.raises(DsfixError) as info:
-        engine.convert_engine(ckpt / "zero2", model_dir, tmp_path / "a", lora_scaling=2.0, keep_lora=True)
+        convert(ckpt / "zero2", config=model_dir, output=tmp_path / "a", lora_scaling=2.0, keep_lora=True)
     assert "--lora-scaling and --keep-lora: this checkpoint holds no DeepSpeed-Chat LoRA factors" in str(info.value)
-    result = engine.convert_engine(ckpt / "lora2", model_dir, tmp_path / "b", lora_scaling=3.0, load=False)
+    result = convert(ckpt / "lora2", config=model_dir, output=tmp_path / "b", lora_scaling=3.0, load=False)
     saved, written = _read(ckpt / "lora2" / "hf"), _read(tmp_path / "b")
     assert result.ok and result.lora["lora_scaling"] == 3.0
     assert not torch.equal(written["model.layers.0.self_attn.q_proj.weight"], saved["model.layers.0.self_attn.q_proj.weight"])
@@ -675,11 +682,11 @@ def test_real_muon_and_autotp_checkpoints_are_refused(engine_checkpoints, tmp_pa
     the Muon run's files also hold Muon's states and parameter groups, which are refused on their own."""
     ckpt, model_dir = engine_checkpoints
     with pytest.raises(DsfixError) as info:
-        engine.convert_engine(ckpt / run, model_dir, tmp_path / "out")
+        convert(ckpt / run, config=model_dir, output=tmp_path / "out")
     assert info.value.code == 2 and words in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     if run == "muon":
-        osd = zero.load_pt(ckpt / "muon" / "global_step1" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        osd = load.load_deepspeed(ckpt / "muon" / "global_step1" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
         with pytest.raises(DsfixError, match="refused: (Muon parameter groups|optimizer states momentum_buffer)"):
             refuse.optimizer_states(osd["optimizer_state_dict"], "muon")
 
@@ -708,7 +715,7 @@ def test_bad_checkpoints_get_one_line_and_nothing_written(engine_checkpoints, tm
               "muon": "refused: optimizer states momentum_buffer"}
     for name, words in expect.items():
         with pytest.raises(DsfixError) as info:
-            engine.convert_engine(cases[name], model_dir, tmp_path / f"out-{name}")
+            convert(cases[name], config=model_dir, output=tmp_path / f"out-{name}")
         assert words in str(info.value) and "\n" not in str(info.value) and info.value.code == 2
         assert not (tmp_path / f"out-{name}").exists()
 
@@ -717,11 +724,11 @@ def test_bad_checkpoints_get_one_line_and_nothing_written(engine_checkpoints, tm
     cfg = json.loads((wrong / "config.json").read_text())
     cfg["vocab_size"] = 640
     (wrong / "config.json").write_text(json.dumps(cfg))
-    result = engine.convert_engine(cases["vocab"], wrong, tmp_path / "out-vocab")
+    result = convert(cases["vocab"], config=wrong, output=tmp_path / "out-vocab")
     assert not result.ok and result.exit_code == 1
     assert "512 rows but config.json's vocab_size is 640" in result.check("vocab").detail
     assert not (tmp_path / "out-vocab").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(engine.STAGING_PREFIX)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]
 
 
 
@@ -743,19 +750,21 @@ def test_every_file_is_on_disk_before_the_rename_and_a_failed_fsync_writes_nothi
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
-    result = engine.convert_engine(ckpt / "zero3", model_dir, tmp_path / "out")
+    result = convert(ckpt / "zero3", config=model_dir, output=tmp_path / "out")
     assert result.ok and "config.json" in result.written
     assert renamed == [set()]  # not one file unsynced when the folder was renamed into place
 
     def eio(folder):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(engine, "fsync_folder", eio)
+    from patcher.checkpoint.write import stage
+
+    monkeypatch.setattr(stage, "fsync_folder", eio)
     with pytest.raises(DsfixError) as info:
-        engine.convert_engine(ckpt / "zero3", model_dir, tmp_path / "out-eio")
+        convert(ckpt / "zero3", config=model_dir, output=tmp_path / "out-eio")
     assert "cannot write the converted files: Input/output error; nothing written" in str(info.value)
     assert not (tmp_path / "out-eio").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(engine.STAGING_PREFIX)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]
 
 def _cli(*args):
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}
@@ -830,7 +839,7 @@ def test_shards_and_index_above_the_shard_size(engine_checkpoints, tmp_path):
 
     ckpt, model_dir = engine_checkpoints
     out = tmp_path / "out"
-    result = engine.convert_engine(ckpt / "zero3", model_dir, out, dtype="bf16", max_shard_size=400_000)
+    result = convert(ckpt / "zero3", config=model_dir, output=out, dtype="bf16", max_shard_size=400_000)
     assert result.ok, result.checks
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -846,7 +855,7 @@ def test_shards_and_index_above_the_shard_size(engine_checkpoints, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point, done", [("engine.staged", False), ("engine.renamed", True)])
+@pytest.mark.parametrize("point, done", [("convert.staged", False), ("convert.committed", True)])
 def test_cli_stopped_before_and_after_the_rename(engine_checkpoints, tmp_path, point, done):
     """Ctrl-C (a real SIGINT at a named point, patcher.errors.stop_point) just before the converted folder is
     renamed into place leaves nothing; just after, the folder is whole, and the line says which."""
@@ -863,7 +872,7 @@ def test_cli_stopped_before_and_after_the_rename(engine_checkpoints, tmp_path, p
     said = "the converted folder is in place" if done else "nothing was written"
     assert lines == [f"dsfix: interrupted: {said}"]
     assert (tmp_path / "out" / "model.safetensors").is_file() is done
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(engine.STAGING_PREFIX)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]
 
 
 @pytest.mark.slow

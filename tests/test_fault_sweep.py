@@ -197,7 +197,7 @@ def _smoke_sweep(tmp_path, choose, errors, full_reruns=1):
     model once and forks a trial at the save (sweepkit.fork_at). Returns the problems."""
     import re
 
-    import patcher.checkpoint.smoke as smoke
+    import patcher.checkpoint.smoke.run as smoke
     from sweepkit import fork_at, one_line
 
     co = _checkout(tmp_path / "co")
@@ -282,7 +282,7 @@ def _smoke_sweep(tmp_path, choose, errors, full_reruns=1):
 def _after_kills(killed, co, before, after, full_reruns):
     """What the next smoke does with the folder a killed one left (its process is gone now): it takes it for
     a killed smoke's, starts from it empty, and (``full_reruns`` of them, the latest kills) ends complete."""
-    import patcher.checkpoint.smoke as smoke
+    from patcher.checkpoint.smoke import keep as smoke
 
     problems = []
     for i, copy in enumerate(sorted(killed.iterdir(), key=lambda p: -int(p.name))):
@@ -294,8 +294,8 @@ def _after_kills(killed, co, before, after, full_reruns):
                                 f"complete: {err.strip()[-300:]}")
             continue
         try:
-            smoke._check_keep(kept)
-            with smoke._out_folder(kept):
+            smoke.check_keep(kept)
+            with smoke.out_folder(kept):
                 pass
         except Exception as e:  # noqa: BLE001 - reported
             problems.append(f"smoke --keep: killed before call {copy.name}: the next smoke refuses it: {e}")
@@ -323,7 +323,7 @@ def test_smoke_keep_takes_back_a_killed_smokes_folder_and_only_that(tmp_path):
     import subprocess
     import sys
 
-    import patcher.checkpoint.smoke as smoke
+    from patcher.checkpoint.smoke import keep as smoke
     from patcher.errors import DsfixError
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -332,8 +332,8 @@ def test_smoke_keep_takes_back_a_killed_smokes_folder_and_only_that(tmp_path):
     (kept / ".dsfix-save-123").mkdir(parents=True)
     (kept / "model.safetensors").write_bytes(b"half")
     (kept / smoke.KEEP_MARKER).write_text(f"{gone.pid}\n")
-    smoke._check_keep(kept)
-    with smoke._out_folder(kept) as out:
+    smoke.check_keep(kept)
+    with smoke.out_folder(kept) as out:
         assert sorted(os.listdir(out)) == [smoke.KEEP_MARKER]
     assert os.listdir(kept) == []
     for mark in (f"{os.getpid()}\n", None):  # a live smoke's, or a folder of someone's
@@ -341,6 +341,6 @@ def test_smoke_keep_takes_back_a_killed_smokes_folder_and_only_that(tmp_path):
         if mark:
             (kept / smoke.KEEP_MARKER).write_text(mark)
         with pytest.raises(DsfixError, match="must be new or empty"):
-            smoke._check_keep(kept)
+            smoke.check_keep(kept)
         shutil.rmtree(kept)
         kept.mkdir()

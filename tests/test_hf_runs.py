@@ -75,7 +75,8 @@ def _assert_bit_equal(out: Path, reference: dict):
 def _assert_verified_and_tied(out: Path, dtype):
     from transformers import AutoModelForCausalLM
 
-    from patcher.checkpoint.verify import dtype_kwarg, verify_path
+    from patcher.checkpoint.check.load import dtype_kwarg
+    from patcher.checkpoint.verify import verify_path
 
     result = verify_path(out)  # dsfix verify: the checks against config.json, NaN and Inf, a reload
     assert result.status.exit_code == 0, [c for r in result.reports for c in r.checks if not c.ok]

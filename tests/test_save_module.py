@@ -228,7 +228,7 @@ def test_dedupe_writes_310_like_save_pretrained(tmp_path, tiny_qwen3, capsys):
 
 @pytest.mark.parametrize("dtype,code", [(torch.bfloat16, "BF16"), (torch.float16, "F16"), (torch.float32, "F32")])
 def test_dtypes_round_trip(tmp_path, tiny_qwen3_helper, dtype, code):
-    from patcher.checkpoint.verify import dtype_kwarg
+    from patcher.checkpoint.check.load import dtype_kwarg
 
     model = tiny_qwen3_helper.tiny_qwen3_model(seed=1, dtype=dtype)
     M.save_hf_format(model, None, str(tmp_path))
@@ -268,7 +268,7 @@ def test_sharded_output_loads(tmp_path, tiny_qwen3, capsys):
 
 
 def test_the_default_shard_size_keeps_full_qwen3_in_one_file():
-    from patcher.checkpoint.verify import meta_model
+    from patcher.checkpoint.check.model import meta_model
     from smokekit import FULL
     from transformers import AutoConfig
 
@@ -486,7 +486,7 @@ def test_mixed_dtypes_are_aligned_with_the_header_save_file_writes(tmp_path, cas
 
 
 def test_dtype_codes_and_the_table_dsfix_reads():
-    from patcher.checkpoint.checks import dtype_codes
+    from patcher.checkpoint.readers.safetensors import dtype_codes
 
     assert [M.DTYPES[d] for d in (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool,
                                   torch.float8_e4m3fn)] == ["BF16", "F16", "F32", "I64", "BOOL", "F8_E4M3"]
@@ -1119,7 +1119,7 @@ def test_a_folder_of_the_v2_inline_save_verifies_and_a_save_over_it_too(tmp_path
     the module's save over one replaces it whole."""
     import importlib.util
 
-    from patcher.checkpoint.verify import verify_folder
+    from patcher.checkpoint.check.verify import verify_folder
 
     try:
         torch.zeros(1).numpy()

@@ -68,7 +68,7 @@ def check_folder(folder, ref, keys, dtype):
     """The folder holds the reference's tensors, loads tied, and its logits are the reference's (fp32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from patcher.checkpoint.verify import dtype_kwarg
+    from patcher.checkpoint.check.load import dtype_kwarg
 
     names = set(os.listdir(folder))
     assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= names, names

@@ -14,8 +14,11 @@ import types
 import pytest
 from rich.console import Console
 
-from patcher.checkpoint import checks
-from patcher.checkpoint.checks import Check, Header
+from patcher.checkpoint import names
+from patcher.checkpoint.check import headers as checks
+from patcher.checkpoint.check.headers import Check
+from patcher.checkpoint.readers import safetensors as st
+from patcher.checkpoint.readers.safetensors import Header
 from patcher.errors import DsfixError
 
 EXPECTED = {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,), "lm_head.weight": (8, 4)}
@@ -106,15 +109,15 @@ def test_dtype_check(rows, cfg, expected, name):
 
 
 def test_one_dtype_table_the_templates():
-    codes = checks.dtype_codes()
+    codes = st.dtype_codes()
     assert codes["bfloat16"] == "BF16" and codes["float8_e5m2"] == "F8_E5M2" and codes["bool"] == "BOOL"
-    assert {checks.dtype_name(c) for c in codes.values()} == set(codes)
-    assert [checks.dtype_code(n) for n in ("torch.float16", "int8", "complex64")] == ["F16", "I8", "COMPLEX64"]
+    assert {st.dtype_name(c) for c in codes.values()} == set(codes)
+    assert [st.dtype_code(n) for n in ("torch.float16", "int8", "complex64")] == ["F16", "I8", "COMPLEX64"]
 
 
 def test_examples_names_three_and_counts_the_rest():
-    assert checks.examples(["a", "b"]) == "a, b"
-    assert checks.examples(range(5)) == "0, 1, 2 (+2 more)"
+    assert names.examples(["a", "b"]) == "a, b"
+    assert names.examples(range(5)) == "0, 1, 2 (+2 more)"
 
 
 WEIGHT_FILES = [
@@ -151,10 +154,10 @@ def test_weight_files(tmp_path, files, expected):
     write(tmp_path, files)
     if isinstance(expected, str):
         with pytest.raises(DsfixError) as e:
-            checks.weight_files(tmp_path)
+            st.weight_files(tmp_path)
         assert (e.value.message, e.value.path) == (expected, str(tmp_path))
     else:
-        found, _, problems = checks.weight_files(tmp_path)
+        found, _, problems = st.weight_files(tmp_path)
         assert (found, problems) == expected
 
 
@@ -162,7 +165,8 @@ def test_weight_files(tmp_path, files, expected):
 
 
 def test_folder_kind_and_model_folders(tmp_path):
-    from patcher.checkpoint.verify import CAUSAL_LM, CRITIC, folder_kind, model_folders
+    from patcher.checkpoint.check.model import CAUSAL_LM, CRITIC, folder_kind
+    from patcher.checkpoint.readers.find import model_folders
 
     assert folder_kind(["model.norm.weight", "lm_head.weight"]) == CAUSAL_LM
     assert folder_kind(["rwtransformer.norm.weight", "v_head.weight"]) == CRITIC
@@ -185,9 +189,10 @@ def test_folder_kind_and_model_folders(tmp_path):
 @pytest.mark.parametrize("entry", ["verify_folder", "verify_path"])
 def test_verify_refuses_before_reading(tmp_path, make, message, entry):
     from patcher.checkpoint import verify
+    from patcher.checkpoint.check import verify as check
 
     with pytest.raises(DsfixError) as e:
-        getattr(verify, entry)(make(tmp_path))
+        {"verify_folder": check.verify_folder, "verify_path": verify.verify_path}[entry](make(tmp_path))
     assert e.value.message.startswith(message) and e.value.code == 2
 
 
@@ -244,7 +249,7 @@ def test_smoke_refuses_before_building_a_model(tmp_path):
 
 
 def test_worker_extracts_only_imports_and_dsfix_definitions(tmp_path):
-    from patcher.checkpoint.smoke_worker import extract_definitions
+    from patcher.checkpoint.smoke.worker import extract_definitions
 
     utils = tmp_path / "utils.py"
     utils.write_text("import os\nimport not_installed_anywhere\nfrom . import sibling\nSIDE = print('ran')\n\n\n"
@@ -284,7 +289,7 @@ INLINE = "\n\n_DSFIX_STRATEGY = 'clone'\n\n\ndef save_hf_format_safetensors(mode
 def test_worker_finds_the_save_module_beside_utils(tmp_path, imports, name, module_file, expect):
     """smoke's ast path (utils.py does not import here: no DeepSpeed, a relative import) still reaches dsfix's save
     module: loaded from its file beside utils.py and bound to the name utils.py imports it as."""
-    from patcher.checkpoint.smoke_worker import extract_definitions
+    from patcher.checkpoint.smoke.worker import extract_definitions
 
     utils = tmp_path / "utils.py"
     body = WRAPPER.format(name=name) if name else INLINE
@@ -313,7 +318,7 @@ CUT = "utils.py read with ast: import failed (RuntimeError: "
     ("raise RuntimeError('x' * 500)", CUT + "x" * (156 - len(CUT)) + "..."),  # cut to 159 characters
 ])
 def test_worker_warns_only_when_the_user_can_act(tmp_path, monkeypatch, top, note):
-    from patcher.checkpoint.smoke_worker import NOTE_LIMIT, load_save_functions
+    from patcher.checkpoint.smoke.worker import NOTE_LIMIT, load_save_functions
 
     for name in ["deepspeed", *(m for m in sys.modules if m.startswith("deepspeed."))]:
         monkeypatch.setitem(sys.modules, name, None)  # as in an environment without DeepSpeed
@@ -325,7 +330,7 @@ def test_worker_warns_only_when_the_user_can_act(tmp_path, monkeypatch, top, not
 
 
 def test_rank_env_is_cpu_gloo_on_loopback():
-    from patcher.checkpoint.ranks import free_port, rank_env
+    from patcher.checkpoint.smoke.ranks import free_port, rank_env
 
     env = rank_env({"CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin"})
     assert (env["DS_ACCELERATOR"], env["CUDA_VISIBLE_DEVICES"], env["PATH"]) == ("cpu", "", "/bin")
@@ -362,14 +367,14 @@ VALUE_HEADS = [
 @pytest.mark.parametrize("attrs, width", VALUE_HEADS)
 def test_critic_value_head_width(attrs, width):
     pytest.importorskip("torch")
-    from patcher.checkpoint.critic import value_head_width
+    from patcher.checkpoint.check.critic import value_head_width
 
     assert value_head_width(types.SimpleNamespace(**attrs)) == width
 
 
 def test_critic_without_a_hidden_size_is_refused():
     pytest.importorskip("torch")
-    from patcher.checkpoint.critic import value_head_width
+    from patcher.checkpoint.check.critic import value_head_width
 
     with pytest.raises(ValueError, match="names no hidden size"):
         value_head_width(types.SimpleNamespace())

@@ -45,3 +45,13 @@ def test_the_pypi_description_links_only_to_the_projects_own_addresses():
     links = LINK.findall((REPO / "docs" / "pypi.md").read_text())
     assert all(any(link == u or link.startswith(u + "/") for u in urls) for link in links), links
     assert "http" not in (REPO / "docs" / "pypi.md").read_text() or urls
+
+
+def test_every_package_of_patcher_is_in_the_wheel():
+    """pyproject.toml lists the packages the wheel holds: a new sub-folder of patcher/ must be named there, or
+    the installed dsfix lacks it (the tests, run from the clone, would not notice)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "patcher").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -71,23 +71,106 @@ def test_the_reader_sees_every_form(source, module, bad):
     assert [(m, forbidden(m)) for _, m in found] == [(module, bad)]
 
 
+TORCH_SIDE = sorted(".".join(p.relative_to(PATCHER.parent).with_suffix("").parts).removesuffix(".__init__")
+                    for p in PATCHER.glob("checkpoint/**/*.py"))
+# Modules that define torch classes (an nn.Module subclass) import torch at their top: they are imported only
+# inside the functions that need them, after the input was checked.
+IMPORT_TORCH = {"patcher.checkpoint.check.critic"}
+
 PROBE = """
-import json, sys
+import importlib, json, sys
 import patcher.cli, patcher.patch.flow
 patch_path = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "deepspeed", "safetensors")
                     or m.startswith("patcher.checkpoint"))
-import patcher.checkpoint.verify, patcher.checkpoint.convert, patcher.checkpoint.smoke, patcher.checkpoint.checks
+for name in sys.argv[1:]:
+    importlib.import_module(name)
 torch_side = sorted(m for m in ("torch", "transformers", "deepspeed", "safetensors") if m in sys.modules)
 print(json.dumps([patch_path, torch_side]))
 """
 
 
 def test_a_fresh_process_on_the_patch_path_loads_none_of_it():
-    p = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=PATCHER.parent, timeout=120)
+    """The patch path loads nothing of the torch side; every module of the torch side (its readers and their
+    registry, the checks, the writer, the commands and their reports) imports without torch."""
+    modules = [m for m in TORCH_SIDE if m not in IMPORT_TORCH]
+    assert {"patcher.checkpoint.readers", "patcher.checkpoint.convert.report", "patcher.checkpoint.write.writer",
+            "patcher.checkpoint.smoke.worker"} <= set(modules)
+    p = subprocess.run([sys.executable, "-c", PROBE, *modules], capture_output=True, text=True, cwd=PATCHER.parent,
+                       timeout=120)
     assert p.returncode == 0, p.stderr
     patch_path, torch_side = json.loads(p.stdout)
     assert patch_path == []
     assert torch_side == []  # the torch side imports torch inside its functions, when a command needs it
+
+
+# ----------------------------------------------------------------------------- no import circles
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PATCHER.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph() -> dict:
+    """module -> the patcher modules it imports (at any depth: inside functions too). ``from a.b import c`` is
+    an edge to ``a.b.c`` when that is a module, else to ``a.b``."""
+    files = {module_name(p): p for p in PATCHER.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        edges = set()
+        for _, target in imported_modules(path):
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """The import circles of ``graph``: each strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.parametrize("graph, expected", [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, []),
+])
+def test_the_circle_finder(graph, expected):
+    assert cycles(graph) == expected
+
+
+def test_no_module_imports_another_that_imports_it_back():
+    graph = import_graph()
+    assert {"patcher.checkpoint.check.verify", "patcher.checkpoint.convert.command"} <= set(graph)
+    assert cycles(graph) == []
 
 
 def test_python_dash_m_patcher_is_the_cli():

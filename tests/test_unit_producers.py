@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from patcher.checkpoint import zero
-from patcher.checkpoint.files import make_staging
+from patcher.checkpoint.readers import find
+from patcher.checkpoint.readers.engine import precision_of, step_files
+from patcher.checkpoint.write.files import make_staging
 from patcher.errors import DsfixError
 
 
@@ -63,16 +64,16 @@ def test_the_checkpoint_chosen_in_a_run_folder(tmp_path, make, tag, expect):
     root = tmp_path / "output"
     make(root)
     if expect is None:
-        assert zero.choose_checkpoint(root, tag) is None
+        assert find.choose_checkpoint(root, tag) is None
         return
     if expect.startswith(("checkpoint-", ".")) and " " not in expect:
-        chosen = zero.choose_checkpoint(root, tag)
+        chosen = find.choose_checkpoint(root, tag)
         assert chosen.path == (root / expect if expect != "." else root)
         assert chosen.tag == (tag if expect == "." else None)
         assert (chosen.note == "") == (expect == ".")
         return
     with pytest.raises(DsfixError) as info:
-        zero.choose_checkpoint(root, tag)
+        find.choose_checkpoint(root, tag)
     assert expect in info.value.message and "\n" not in info.value.message
 
 
@@ -80,7 +81,7 @@ def test_the_checkpoint_chosen_in_a_run_folder(tmp_path, make, tag, expect):
 def test_the_last_checkpoint_is_transformers_own_choice(tmp_path, steps):
     trainer_utils = pytest.importorskip("transformers.trainer_utils")
     root = _run(tmp_path / "output", steps=steps)
-    chosen = zero.choose_checkpoint(root)
+    chosen = find.choose_checkpoint(root)
     assert str(chosen.path) == trainer_utils.get_last_checkpoint(str(root))
     assert chosen.note.startswith(f"checkpoint-{max(steps)} (the last of ")
     assert ("--tag checkpoint-N picks another" in chosen.note) == (len(steps) > 1)
@@ -102,8 +103,8 @@ def test_the_checkpoints_own_config(tmp_path, make, given, expect):
     root = tmp_path / "c"
     make(root)
     path = root / given if given != "." else root
-    step, _, _ = zero.step_folder(path)
-    found = zero.config_folder(path, step)
+    step, _, _ = find.step_folder(path)
+    found = find.config_folder(path, step)
     assert found == (None if expect is None else (root / expect if expect != "." else root))
 
 
@@ -121,18 +122,17 @@ PRECISIONS = [  # (optimizer files' prefix, ds_config saved in model_states, the
 
 @pytest.mark.parametrize("prefix,config,expect", PRECISIONS)
 def test_the_precision_named(prefix, config, expect):
-    layout = zero.Layout(Path("."), "global_step1", False, (), (), prefix)
-    assert zero.precision_of(layout, config) == expect
+    assert precision_of(prefix, config) == expect
 
 
 def test_an_fp32_runs_files_are_found_without_a_prefix(tmp_path):
     root = _checkpoint(tmp_path / "c", 2, prefix="")
-    layout = zero.layout_of(root / "global_step2", "global_step2")
-    assert layout.prefix == "" and [p.name for p in layout.optim_files] == [
+    _, optim_files, prefix = step_files(root / "global_step2", stage3=False)
+    assert prefix == "" and [p.name for p in optim_files] == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    layout.optim_files[0].unlink()
+    optim_files[0].unlink()
     with pytest.raises(DsfixError, match="rank 0.s file zero_pp_rank_0_mp_rank_00_optim_states.pt is missing"):
-        zero.layout_of(root / "global_step2", "global_step2")
+        step_files(root / "global_step2", stage3=False)
 
 
 @pytest.mark.parametrize("files,expect", [
@@ -143,7 +143,7 @@ def test_an_fp32_runs_files_are_found_without_a_prefix(tmp_path):
 def test_who_wrote_the_checkpoint(tmp_path, files, expect):
     for name in files:
         (tmp_path / name).touch()
-    assert zero.producer_of(tmp_path) == expect
+    assert find.producer_of(tmp_path) == expect
 
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o002, 0o775), (0o077, 0o700)])
@@ -163,7 +163,7 @@ def test_verify_against_takes_a_bin_reference_loaded_weights_only(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors.torch import save_file
 
-    from patcher.checkpoint.compare import compare_folders, is_bin_reference
+    from patcher.checkpoint.check.compare import compare_folders, is_bin_reference
 
     weights = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b.bias": torch.ones(5)}
     (tmp_path / "out").mkdir()

@@ -19,7 +19,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from smokekit import FULL, NARROW, narrow_model  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patcher.checkpoint.verify import VerifyReport, tie_on_load_check, verify_folder  # noqa: E402
+from patcher.checkpoint.check.load import tie_on_load_check  # noqa: E402
+from patcher.checkpoint.check.verify import VerifyReport, verify_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_a_config_that_says_tied_must_load_tied(tmp_path, config_tied, loaded_ti
     if not config_tied:
         cfg = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=False)))
-    from patcher.checkpoint.verify import load_check
+    from patcher.checkpoint.check.load import load_check
 
     check, loaded = load_check(folder, keep_model=True)
     assert check.ok, check.detail

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from smokekit import REPO
-from patcher.checkpoint.verify import dtype_kwarg
+from patcher.checkpoint.check.load import dtype_kwarg
 
 
 def _floor() -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,32 @@ def exit_code(verb: str, files: list) -> int:
     return OK
 
 
+def stat_text(rows, width: int = 80) -> str:
+    """``git diff --stat``'s summary of [(name, added, removed)]: a line per file, then the totals."""
+    rows = [(n, a, r) for n, a, r in rows if a or r]
+    if not rows:
+        return ""
+    name_w = max(len(n) for n, _, _ in rows)
+    most = max(a + r for _, a, r in rows)
+    count_w = len(str(most))
+    bar_w = max(10, width - name_w - count_w - 5)
+    lines = []
+    for name, a, r in rows:
+        if most > bar_w:  # scaled as git does: every non-zero side keeps at least one mark
+            plus = max(1, a * bar_w // most) if a else 0
+            minus = max(1, r * bar_w // most) if r else 0
+        else:
+            plus, minus = a, r
+        lines.append(f" {name.ljust(name_w)} | {str(a + r).rjust(count_w)} {'+' * plus}{'-' * minus}")
+    n, added, removed = len(rows), sum(a for _, a, _ in rows), sum(r for _, _, r in rows)
+    total = f" {n} file{'s' if n != 1 else ''} changed"
+    if added:
+        total += f", {added} insertion{'s' if added != 1 else ''}(+)"
+    if removed:
+        total += f", {removed} deletion{'s' if removed != 1 else ''}(-)"
+    return "\n".join(lines + [total]) + "\n"
+
+
 @dataclass
 class Outcome(Result):
     """One object owns the file reports, the wording and the exit code (like black's Report)."""
@@ -67,6 +94,31 @@ class Outcome(Result):
             "layout": self.layout,
             "files": [{**vars(f), "status": f.status.value} for f in self.files],
         }
+
+    def render(self, out, opts: dict) -> None:
+        """check: the diff on stdout (or --stat's summary; nothing with --json); apply: --stat's summary.
+        Both: a line per file and the message on stderr (``out``: :data:`patcher.console.err`)."""
+        if not opts.get("as_json"):
+            if opts.get("stat"):
+                sys.stdout.write(stat_text([(f.rel, f.added, f.removed) for f in self.files]))
+                sys.stdout.flush()
+            elif self.verb == "check":
+                sys.stdout.flush()
+                sys.stdout.buffer.write(self.diff)
+                sys.stdout.buffer.flush()
+        where = {None: "as recorded in its state folder", "marked": "found by dsfix's marker lines"}.get(
+            self.layout, f"{self.layout} layout")
+        out.print(f"dsfix {self.verb}: {self.root} ({where})")
+        for f in self.files:
+            status = f.status.value
+            style = {"refused": "red", "would change": "yellow", "changed": "green"}.get(status, "none")
+            counts = f" (+{f.added} -{f.removed})" if f.added or f.removed else ""
+            out.line("  ", (status, style), f": {f.rel}{counts}")
+            for n in f.notes:
+                out.line(f"      {n}")
+        for w in self.warnings:
+            out.line(("warning:", "yellow"), f" {w}")
+        out.print(self.message)
 
 
 def _plural(n: int, what: str = "file") -> str:

@@ -1,7 +1,7 @@
 """One rank of ``dsfix smoke``: load the checkout's save functions, build a model, save it as step 1 does.
 
-``patcher.checkpoint.smoke`` runs :func:`run_rank` in its own process for a plain one-rank save, or launches
-``python -m torch.distributed.run --standalone --nproc_per_node N -m patcher.checkpoint.smoke_worker SPEC.json``
+``patcher.checkpoint.smoke.run`` runs :func:`run_rank` in its own process for a plain one-rank save, or launches
+``python -m torch.distributed.run --standalone --nproc_per_node N -m patcher.checkpoint.smoke.worker SPEC.json``
 for DeepSpeed engines (ZeRO 1-3) and several ranks. Each rank writes ``result-<rank>.json`` into
 the spec's work folder; rank 0 also writes the reference logits the reloaded folder must reproduce.
 Nothing here prints to stdout: the save functions' own prints are captured into the result.
@@ -22,7 +22,7 @@ import traceback
 from argparse import Namespace
 from pathlib import Path
 
-from patcher.checkpoint.ranks import skip_shm_allreduce
+from patcher.checkpoint.smoke.ranks import skip_shm_allreduce
 from patcher.patch.names import SAVE_HF, SAVE_Z3, is_dsfix_name
 
 REF_FILE = "reference.safetensors"
@@ -203,7 +203,7 @@ def make_tiny_tokenizer(folder):
 def build_model(spec: dict, torch_dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from patcher.checkpoint.verify import dtype_kwarg
+    from patcher.checkpoint.check.load import dtype_kwarg
 
     kw = {dtype_kwarg(): torch_dtype}
     if spec.get("model_dir"):
@@ -428,7 +428,7 @@ def _finish(spec: dict, result: dict, captured, phase: _Phases, local_rank: int)
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m torch.distributed.run ... -m patcher.checkpoint.smoke_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m torch.distributed.run ... -m patcher.checkpoint.smoke.worker SPEC.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     spec["distributed"] = True

@@ -9,23 +9,29 @@ and the save leaves out every name holding ``lora``.
 
 An engine checkpoint of such a run holds the frozen base weights in its model_states files (training
 dtype) and the factors' fp32 masters in its optimizer files; the scaling is in neither. :func:`find` names
-the modules from the checkpoint's names and shapes; :class:`Fuser` stands between the checkpoint reader
-and the writer: it keeps the factors (small) in memory and the base weights in a scratch file in the
-training dtype, then fuses one module at a time exactly as ``fuse_lora_weight`` does, and hands each fused
-weight on to be written. Memory: the factors plus one weight.
+the modules from the checkpoint's names and shapes; :func:`fused` wraps the checkpoint's reader in a
+:class:`FusedLoRA`, a reader that holds the fused weights and not the factors. Streaming, its :class:`Fuser`
+stands between the checkpoint's reader and the writer: it keeps the factors (small) in memory and the base
+weights in a scratch file in the training dtype, then fuses one module at a time exactly as
+``fuse_lora_weight`` does, and hands each fused weight on to be written. Memory: the factors plus one weight.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional
 
-from patcher.checkpoint.checks import examples
+from patcher.checkpoint.check.headers import Check
+from patcher.checkpoint.names import examples
+from patcher.checkpoint.readers.base import Put, Reader, numel
+from patcher.checkpoint.readers.engine import TRAIN_DTYPES, training_precision
 from patcher.errors import DsfixError
 
 RIGHT, LEFT = "lora_right_weight", "lora_left_weight"
 DEFAULT_SCALING = 1.0  # step 1's: convert_linear_layer_to_lora(model, part, lora_dim) keeps the default 1
 FILE = "lora.safetensors"  # --keep-lora: the factors, beside the fused model's files
+SCRATCH = ".lora-base-weights"  # in the write's folder, while LoRA layers are fused
 
 
 class Module(NamedTuple):
@@ -127,3 +133,94 @@ class Fuser:
         self.bases = None
         if self.scratch.exists():
             self.scratch.unlink()
+
+
+class FusedLoRA(Reader):
+    """An engine checkpoint's reader with DeepSpeed-Chat's LoRA factors fused into their weights: it holds what
+    the reader holds but the factors, and streams the fused weights. ``keep``: the factors are also written,
+    unfused, to :data:`FILE` beside the model's files."""
+
+    kind = "lora-fused"
+    masters = True
+
+    def __init__(self, inner: Any, modules: list, lora_scaling: float, given: bool, keep: bool) -> None:
+        super().__init__(inner.folder)
+        import torch
+
+        precision = training_precision(inner.meta.get("ds_config"))
+        if precision is None:
+            raise DsfixError("refused: LoRA layers to fuse, but no saved ds_config says the training dtype they were "
+                             "fused in; nothing written", path=str(inner.folder))
+        self.inner, self.modules, self.keep = inner, modules, keep
+        self.lora_scaling, self.given = lora_scaling, given
+        self.train_dtype = getattr(torch, TRAIN_DTYPES[precision])
+        factors = {n for m in modules for n in (m.right, m.left)}
+        self.tensors = {n: h for n, h in inner.tensors.items() if n not in factors}
+        self.aliases = dict(inner.aliases)
+        self.factors: dict = {}
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def info(self) -> dict:
+        """What was fused, for the report."""
+        return {"layers": len(self.modules), "ranks": sorted({m.rank for m in self.modules}),
+                "lora_scaling": self.lora_scaling, "scaling_given": self.given,
+                "dtype": str(self.train_dtype).replace("torch.", ""), "kept": self.keep}
+
+    def check(self) -> Check:
+        return Check("lora", True, describe(self.modules, self.lora_scaling, self.train_dtype))
+
+    def stream(self, put: Put, workdir: Optional[Path] = None) -> None:
+        numels = {n: numel(h.shape) for n, h in self.inner.tensors.items()}
+        fuser = Fuser(self.modules, numels, self.train_dtype, self.lora_scaling, put, Path(workdir or ".") / SCRATCH)
+        try:
+            self.inner.stream(fuser.put)
+            fuser.finish()
+            self.factors = fuser.factors
+        finally:
+            fuser.close()
+
+    def extra_files(self, folder: Path, dtype: Any) -> list:
+        """--keep-lora: the factors, unfused, in the output dtype, in their own file beside the model's."""
+        if not self.keep:
+            return []
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        shapes = {**{m.right: (m.in_features, m.rank) for m in self.modules},
+                  **{m.left: (m.rank, m.out_features) for m in self.modules}}
+        tensors = {n: self.factors[n].reshape(shapes[n]).to(dtype).contiguous() for n in sorted(shapes)}
+        meta = {"format": "pt", "lora_scaling": f"{self.lora_scaling:g}", "layout": "DeepSpeed-Chat LinearLayer_LoRA",
+                "fused_into": "the model's weights (weight += lora_scaling / r * left.T @ right.T)"}
+        save_file(tensors, str(folder / FILE), metadata=meta)
+        with safe_open(str(folder / FILE), framework="pt") as f:
+            back = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        if back != shapes:
+            return [Check("lora-file", False, f"{FILE} reads back {len(back)} tensors, not the {len(shapes)} written")]
+        return [Check("lora-file", True, f"{FILE}: {len(back)} factors of {len(self.modules)} layers, unfused, "
+                                         f"{str(dtype).replace('torch.', '')}")]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def fused(reader: Any, lora_scaling: Optional[float], keep: bool) -> Any:
+    """``reader`` with its DeepSpeed-Chat LoRA layers fused (a :class:`FusedLoRA`), or ``reader`` itself when it
+    holds none; --lora-scaling and --keep-lora are refused then."""
+    if lora_scaling is not None and not (isinstance(lora_scaling, (int, float)) and math.isfinite(lora_scaling)
+                                         and lora_scaling > 0):
+        raise DsfixError(f"--lora-scaling must be a positive number, not {lora_scaling}")
+    modules = find({n: h.shape for n, h in reader.tensors.items()}, reader.folder)
+    if not modules:
+        given = [o for o, v in (("--lora-scaling", lora_scaling is not None), ("--keep-lora", keep)) if v]
+        if given:
+            raise DsfixError(f"{' and '.join(given)}: this checkpoint holds no DeepSpeed-Chat LoRA factors "
+                             f"({RIGHT}/{LEFT}); nothing to fuse", path=str(reader.folder))
+        return reader
+    scaling = DEFAULT_SCALING if lora_scaling is None else float(lora_scaling)
+    return FusedLoRA(reader, modules, scaling, lora_scaling is not None, keep)

@@ -1,4 +1,4 @@
-"""Writing files that last, on the torch side (convert, engine convert): one fsync for files and folders.
+"""Writing files that last, on the torch side: one fsync for files and folders, and the staging folders.
 
 The patch side has its own in ``patcher.patch.state``, and the inserted template its own (it stands alone).
 """

@@ -7,7 +7,7 @@ layer without bias, ``v_head``, maps each hidden state to a value. The wrapper k
 plus ``v_head.weight``. :class:`CriticModel` is dsfix's own module with that layout; dsfix builds it on
 the meta device to learn the keys and shapes a critic folder must hold, and on the CPU to load one.
 
-This module imports torch at the top; ``patcher.checkpoint.verify`` and ``patcher.checkpoint.convert`` import it only inside
+This module imports torch at the top; its users import it only inside
 functions, so the patch path never loads torch.
 """
 

@@ -14,7 +14,7 @@ and the ZeRO-3 benchmark.
   /dev/shm that outlives the run. Only DeepSpeed's inference all-reduce uses it; training and saving
   never do, so the ranks lose nothing by using gloo alone.
 
-No torch here: :mod:`patcher.checkpoint.smoke` imports this on the command line's path.
+No torch here: :mod:`patcher.checkpoint.smoke.run` imports this on the command line's path.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A plain one-rank save (ZeRO 0, nproc 1) runs in this process. DeepSpeed engines (ZeRO 1-3) and
 several ranks run in ranks started by ``python -m torch.distributed.run --standalone`` (module
-``patcher.checkpoint.smoke_worker``): on a CPU with DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) and
-gloo, on CUDA with nccl. The folder the save wrote is checked by :func:`patcher.checkpoint.verify.verify_folder`,
+``patcher.checkpoint.smoke.worker``): on a CPU with DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) and
+gloo, on CUDA with nccl. The folder the save wrote is checked by :func:`patcher.checkpoint.check.verify.verify_folder`,
 reloaded with ``from_pretrained``, and must reproduce the in-memory model's logits.
 torch, transformers and deepspeed are imported only inside functions.
 """
@@ -13,94 +13,29 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import json
-import os
 import resource
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from patcher.checkpoint.progress import Progress
 from patcher.checkpoint.quiet import import_torch_quietly, quiet
-from patcher.checkpoint.ranks import free_port, rank_env
-from patcher.errors import DsfixError, Written, need_folder, refuse_file, stop_point
+from patcher.checkpoint.smoke.keep import check_keep, out_folder
+from patcher.checkpoint.smoke.launch import capture_stdout, launch, launcher_command, tail
+from patcher.errors import DsfixError, Written, need_folder, stop_point
 from patcher.prereq import require
-from patcher.report import Checks, Result, Verdict
 from patcher.resources import BUNDLED_CONFIG, BUNDLED_TENSORS, resource_path
-from patcher.checkpoint.verify import Check, checks_table, load_check, verify_folder
+from patcher.checkpoint.check.headers import Check
+from patcher.checkpoint.check.load import load_check
+from patcher.checkpoint.check.verify import verify_folder
+from patcher.checkpoint.smoke.report import SmokeReport
 from patcher.patch.names import SAVE_HF, SAVE_Z3
 
 DTYPES = ("bf16", "fp16", "fp32")
 _RANK_CHECKS = ("functions", "setup", "save")  # checks about the ranks themselves; their log tail helps
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds patcher/, for the ranks
-
-
-@dataclass(frozen=True)
-class SmokeReport(Result, Checks):
-    ok: bool
-    checks: tuple  # of Check(name, ok, detail)
-    timings: dict  # phase -> seconds (rank 0's phases, plus launch/verify/reload here)
-    device: str
-    dtype: str
-    zero_stage: int
-    nproc: int
-    load_method: Optional[str]  # "import" or "ast" (None when the ranks never got that far)
-    load_detail: Optional[str]
-    load_note: Optional[str] = None  # why the import failed, when that is worth a warning (not a missing DeepSpeed)
-    functions: tuple = ()  # the save functions found in the checkout
-    backend: Optional[str] = None  # gloo / nccl when a DeepSpeed engine ran
-    launcher: Optional[str] = None  # the command that started the ranks, if any
-    peak_rss_mb: dict = field(default_factory=dict)  # {"this process": MB, "rank 0": MB, ...}
-    cuda_peak_mb: Optional[dict] = None  # {"rank 0": MB, ...} when on CUDA
-    tensors: Optional[int] = None
-    save_output: str = ""  # what the save functions printed on rank 0
-    output_dir: Optional[str] = None  # the kept folder, or None when it was a temp dir
-    log_tail: str = ""  # the ranks' last log lines when something failed
-    verb = "smoke"
-
-    @property
-    def status(self) -> Verdict:
-        return Verdict.of(self.ok)
-
-    @property
-    def message(self) -> str:
-        if self.ok:
-            return f"smoke passed: {self.tensors} tensors saved and verified"
-        return f"smoke failed: {', '.join(c.name for c in self.failed)}"
-
-    @property
-    def warnings(self) -> list:
-        return [self.load_note] if self.load_note else []
-
-    def body(self) -> dict:
-        return {
-            "ok": self.ok,
-            "checks": [c._asdict() for c in self.checks],
-            "timings": self.timings,
-            "device": self.device,
-            "dtype": self.dtype,
-            "zero_stage": self.zero_stage,
-            "nproc": self.nproc,
-            "backend": self.backend,
-            "load_method": self.load_method,
-            "load_detail": self.load_detail,
-            "load_note": self.load_note,
-            "functions": list(self.functions),
-            "launcher": self.launcher,
-            "peak_rss_mb": self.peak_rss_mb,
-            "cuda_peak_mb": self.cuda_peak_mb,
-            "tensors": self.tensors,
-            "save_output": self.save_output,
-            "output_dir": self.output_dir,
-            "log_tail": self.log_tail,
-        }
-
 
 
 # --------------------------------------------------------------------------- inputs
@@ -138,183 +73,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-KEEP_MARKER = ".dsfix-smoke-running"  # in the --keep folder while smoke writes into it: the pid of that smoke
-
-
-def _killed_smokes(keep: Path) -> bool:
-    """Whether ``keep`` is the --keep folder of a smoke that was killed: it holds the marker, naming a process
-    that is gone. That smoke began with the folder new or empty, so all it holds is that smoke's."""
-    try:
-        pid = int((keep / KEEP_MARKER).read_text(encoding="ascii").strip())
-    except (OSError, ValueError):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # there, another user's
-        return False
-    return False
-
-
-def _check_keep(keep) -> None:
-    """--keep: a new folder, an empty one, or one a killed smoke left (refused before anything is built)."""
-    if keep is None:
-        return
-    refuse_file(keep)
-    if Path(keep).is_dir() and any(Path(keep).iterdir()) and not _killed_smokes(Path(keep)):
-        raise DsfixError("--keep folder must be new or empty", path=str(keep))
-
-
-def _empty(folder: Path) -> None:
-    for child in list(folder.iterdir()):
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            child.unlink()
-
-
-@contextlib.contextmanager
-def _out_folder(keep):
-    """The folder the save writes to. Without --keep, a temporary folder, always removed. With --keep, the
-    folder kept when smoke ends; when it does not end (Ctrl-C, an error), smoke takes back what it made:
-    the folder (and the parents it created) or, for an empty folder that was there, what was written in it."""
-    if keep is None:
-        tmp = Path(tempfile.mkdtemp(prefix="dsfix-smoke-out-"))
-        try:
-            yield tmp / "output"
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return
-    out = Path(keep).absolute()
-    made = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)  # the top folder smoke makes
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        if _killed_smokes(out):  # what a killed smoke left: gone, so this one starts as that one did
-            _empty(out)
-        (out / KEEP_MARKER).write_text(f"{os.getpid()}\n", encoding="ascii")
-    except OSError as e:
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
-        raise DsfixError(f"--keep: cannot write here: {e.strerror or e}; nothing written", path=str(keep)) from None
-    try:
-        yield out.resolve()
-        with contextlib.suppress(OSError):  # left, it names a process that is gone: the next smoke clears
-            (out / KEEP_MARKER).unlink()
-    except BaseException:
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
-        else:
-            _empty(out)
-        raise
-
-
-# --------------------------------------------------------------------------- running the ranks
-
-
-def _worker_env(device: str, nproc: int) -> dict:
-    env = rank_env(nproc=nproc) if device == "cpu" else dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return env
-
-
-def launcher_command(nproc: int, spec_path, port: int | str = "PORT") -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
-            "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "--nproc_per_node", str(nproc), "-m", "patcher.checkpoint.smoke_worker", str(spec_path)]
-
-
-def _launch(spec: dict, nproc: int, timeout: float, on_phase) -> tuple[list, str, int]:
-    """Run the ranks; (their results, the log tail, exit code)."""
-    work = Path(spec["work_dir"])
-    spec_path = work / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
-    log_path = work / "ranks.log"
-    port = free_port()
-    cmd = launcher_command(nproc, spec_path, port)
-    phase_file = work / "phase-0.txt"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=_worker_env(spec["device"], nproc), cwd=str(work), start_new_session=True)
-        deadline = time.monotonic() + timeout
-        seen = None
-        try:
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-                try:
-                    now = phase_file.read_text()
-                except OSError:
-                    now = None
-                if now and now != seen:
-                    seen = now
-                    on_phase(now)
-                time.sleep(0.2)
-        except BaseException:
-            with _quiet():
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with _quiet():
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            raise
-    results = []
-    for r in range(nproc):
-        p = work / f"result-{r}.json"
-        if p.is_file():
-            results.append(json.loads(p.read_text(encoding="utf-8")))
-    tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-30:])
-    return results, tail, proc.returncode
-
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
-
-
-class _capture_stdout:
-    """fd 1 -> a file while the in-process rank runs: what libraries print there (DeepSpeed's logger, which
-    binds sys.stdout on import, telling that it set the accelerator to CPU) reaches neither stdout, the
-    CLI's machine channel, nor the user's screen; its last lines are shown only when the smoke fails."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        sys.stdout.flush()
-        self._file = open(self.path, "w+", encoding="utf-8", errors="replace")
-        try:
-            self._saved = os.dup(1)
-            os.dup2(self._file.fileno(), 1)
-        except OSError:
-            self._saved = None
-        # Loggers created meanwhile bind to the file too.
-        self._redirect = contextlib.redirect_stdout(self._file)
-        self._redirect.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._redirect.__exit__(*exc)
-        sys.stdout.flush()
-        self._file.flush()
-        if self._saved is not None:
-            os.dup2(self._saved, 1)
-            os.close(self._saved)
-        self._file.close()
-        return False
-
-    def tail(self, n: int = 30) -> str:
-        return _tail(self.path, n)
-
-
 # --------------------------------------------------------------------------- the smoke test
 
 
@@ -333,7 +91,7 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
     if not isinstance(checkout, Checkout):
         checkout = find_checkout(checkout)
     model_dir, config_path = _check_inputs(checkout, dtype, zero_stage, nproc, device, model_dir, config_path)
-    _check_keep(keep)
+    check_keep(keep)
     import_torch_quietly()  # the input holds: torch now, with the noise of torch before 2.3 captured
     device = resolve_device(device)
     import_root, module_name = _import_root(checkout)
@@ -347,9 +105,9 @@ def run_smoke(checkout, *, device: str = "auto", dtype: str = "bf16", zero_stage
     }
     work = Path(tempfile.mkdtemp(prefix="dsfix-smoke-"))
     try:
-        with _out_folder(keep) as out_dir:
+        with out_folder(keep) as out_dir:
             spec.update(out_dir=str(out_dir), work_dir=str(work))
-            with _capture_stdout(work / "stdout.log") as captured, quiet():  # nothing of theirs on stdout
+            with capture_stdout(work / "stdout.log") as captured, quiet():  # nothing of theirs on stdout
                 report = _run(spec, nproc=nproc, expect=expect, console=console, timeout=timeout,
                               kept=out_dir if keep is not None else None)
         if not report.ok and not report.log_tail and not spec["engine"]:
@@ -426,14 +184,14 @@ def _save(spec: dict, nproc: int, timeout: float, on_phase, timings: dict) -> tu
     if spec["engine"]:
         launcher = " ".join(["python"] + launcher_command(nproc, "SPEC.json")[1:])
         try:
-            results, log_tail, rc = _launch(spec, nproc, timeout, on_phase)
+            results, log_tail, rc = launch(spec, nproc, timeout, on_phase)
         except subprocess.TimeoutExpired:
             results, rc = [], None
-            log_tail = _tail(Path(spec["work_dir"]) / "ranks.log")
+            log_tail = tail(Path(spec["work_dir"]) / "ranks.log")
             checks.append(Check("save", False, f"the ranks did not finish within {timeout:.0f}s (killed)"))
         timings["ranks"] = round(time.perf_counter() - t, 3)  # in this process, rank 0's own phases tell
     else:
-        import patcher.checkpoint.smoke_worker as worker
+        import patcher.checkpoint.smoke.worker as worker
 
         spec["distributed"] = False
         results, rc = [worker.run_rank(spec, on_phase)], 0  # run_smoke has stdout on stderr already
@@ -485,13 +243,6 @@ def _report(spec, nproc, results, r0, checks, timings, launcher, log_tail, vrepo
         output_dir=str(kept) if kept is not None else None,
         log_tail=log_tail if any(c.name in _RANK_CHECKS and not c.ok for c in checks) else "",
     )
-
-
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 def _no_result_reason(rc, work_dir: Optional[Path]) -> str:
@@ -584,24 +335,3 @@ def _reload_checks(spec: dict, device: str) -> list:
         return out
     out.append(Check("logits", True, f"reloaded model reproduces the in-memory logits (max |diff| {diff:.3g}, {got.dtype})"))
     return out
-
-
-def print_report(report: SmokeReport, console) -> None:
-    """The human report on ``console`` (stderr): the checks, then timings and memory."""
-    from rich.markup import escape
-
-    console.print(checks_table(report.checks, title=f"dsfix smoke: ZeRO-{report.zero_stage}, {report.nproc} rank(s), "
-                                                     f"{report.device}, {report.dtype}"))
-    for w in report.warnings:
-        console.print(f"[yellow]warning:[/] {escape(w)}")
-    t = ", ".join(f"{k} {v:.1f}s" for k, v in report.timings.items())
-    mem = ", ".join(f"{k} {v} MB" for k, v in report.peak_rss_mb.items() if v is not None)
-    console.print(f"timings: {escape(t)}")
-    console.print(f"peak host RSS: {escape(mem)}" + (f"; CUDA peak: {report.cuda_peak_mb}" if report.cuda_peak_mb else ""))
-    if report.output_dir:
-        console.print(f"kept the saved folder in {escape(report.output_dir)}")
-    if not report.ok and report.log_tail:
-        console.print("[bold]last lines of the log:[/]")
-        console.print(escape(report.log_tail), highlight=False)
-    console.print("[bold green]smoke passed[/]" if report.ok else
-                  f"[bold red]smoke failed[/]: {escape(', '.join(c.name for c in report.failed))}")

@@ -14,7 +14,7 @@ in one line naming what was found (exit 2); no layout is guessed:
   ``momentum_buffer``, or Muon recorded in the config or the parameter groups.
 
 Each function raises :class:`patcher.errors.DsfixError` (exit 2) or returns None. No torch here: the values
-are read from what :mod:`patcher.checkpoint.zero` loaded.
+are read from what the engine readers loaded.
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""The checks that read tensor data: NaN and Inf, bit-equality, the largest difference. Memory stays bounded:
+a stored tensor is read a block of rows at a time (:func:`row_blocks`, 64 MiB of it at most) through a
+random-access reader (:meth:`patcher.checkpoint.readers.base.Reader.slice`), never whole."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Optional
+
+from patcher.checkpoint.check.headers import Check
+from patcher.checkpoint.readers.safetensors import Header, is_float_code
+
+BLOCK_BYTES = 64 * 2**20  # how much of a stored tensor the streamed checks read at a time
+
+
+def row_blocks(shape, chunk_bytes: int = BLOCK_BYTES) -> Iterator[slice]:
+    """Slices of a stored tensor's rows (its first dimension), each block at most ``chunk_bytes`` (a row
+    counted at 8 bytes an element, the widest dtype): reading a tensor this way never holds it whole."""
+    row = max(1, math.prod(int(d) for d in shape[1:]) * 8)
+    step = max(1, chunk_bytes // row)
+    for start in range(0, shape[0], step):
+        yield slice(start, start + step)
+
+
+def blocks(reader: Any, name: str, shape: tuple) -> Iterator[Any]:
+    """The stored tensor ``name`` of a random-access reader, a block of rows at a time (0-d and empty: whole)."""
+    held = reader.slice(name)  # a 0-d or empty tensor comes whole
+    if not shape or 0 in shape:
+        yield held
+        return
+    for rows in row_blocks(shape, BLOCK_BYTES):
+        yield held[rows]
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """True when two tensors have the same dtype, shape and bytes (NaN-safe, unlike torch.equal)."""
+    import torch
+
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.numel() == 0:
+        return True
+    # compare as integers of the element's width: bit-exact, and wider words compare faster than bytes
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size(), torch.uint8)
+    return torch.equal(a.detach().reshape(-1).view(as_int), b.detach().reshape(-1).view(as_int))
+
+
+def difference(a: Any, b: Any, atol: float, rtol: float) -> tuple[Optional[float], bool]:
+    """(the largest |a - b|, None when bit-equal; whether every element is within ``atol + rtol * |b|``)."""
+    import torch
+
+    if same_bits(a, b):
+        return None, True
+    x, y = a.double(), b.double()
+    diff = (x - y).abs()
+    both_nan = torch.isnan(x) & torch.isnan(y)
+    diff = torch.where(both_nan, torch.zeros_like(diff), torch.nan_to_num(diff, nan=float("inf")))
+    within = bool((diff <= atol + rtol * y.abs().nan_to_num(nan=0.0)).all())
+    return float(diff.max()), within
+
+
+def stored_difference(reader: Any, name: str, ref_reader: Any, ref: str, shape: tuple, atol: float = 0.0,
+                      rtol: float = 0.0) -> tuple[Optional[float], bool]:
+    """:func:`difference` of two stored tensors of one shape, a block of rows at a time."""
+    worst, close = None, True
+    for a, b in zip(blocks(reader, name, shape), blocks(ref_reader, ref, shape)):
+        diff, ok = difference(a, b, atol, rtol)
+        if diff is not None:
+            worst = diff if worst is None else max(worst, diff)
+        close = close and ok
+    return worst, close
+
+
+def stored_equal(reader: Any, head: Header, a: str, b: str) -> bool:
+    """Whether two tensors one folder stores are bit-equal (same shape and dtype), a block of rows at a time."""
+    (shape, code, _), (shape_b, code_b, _) = head.entries[a], head.entries[b]
+    if tuple(shape) != tuple(shape_b) or code != code_b:
+        return False
+    return stored_difference(reader, a, reader, b, tuple(shape))[0] is None
+
+
+def finite_check(reader: Any, head: Header) -> Check:
+    """No floating tensor holds NaN or Inf: each read a block of rows at a time and checked by the save module's
+    ``is_finite``; the first such tensor and how many."""
+    from patcher.templates.dsfix_safetensors import is_finite
+
+    names = [k for k, (shape, code, _) in head.entries.items() if is_float_code(code) and 0 not in shape]
+    bad = [k for k in names if not all(is_finite(block) for block in blocks(reader, k, head.entries[k][0]))]
+    if bad:
+        return Check("finite", False, f"{len(bad)} of {len(names)} floating tensors hold NaN or Inf, the first {bad[0]}")
+    return Check("finite", True, f"no NaN or Inf in {len(names)} floating tensors")

@@ -1,0 +1,220 @@
+"""``dsfix convert PATH``: what PATH holds decides the reader; one pipeline writes every kind.
+
+* a DeepSpeed checkpoint (``latest`` and ``global_stepN/``, a universal checkpoint, a Trainer's ``checkpoint-N``
+  or run folder, accelerate's ``save_state``): its step's reader (:func:`patcher.checkpoint.readers.open_step`),
+  DeepSpeed-Chat LoRA factors fused (:mod:`patcher.checkpoint.steps.lora`), into a new folder ``--output`` with
+  the config, generation config and tokenizer of the checkpoint's own folder or ``--config``;
+* a ``.bin`` output folder (``pytorch_model.bin`` or its index beside ``config.json``, or a step-3 folder of
+  them): each converted in place, all folders or none, the ``.bin`` kept unless ``--remove-bin``.
+
+Then, for each: the plan against the config's model (:func:`patcher.checkpoint.write.plan.make_plan`; a failed
+check writes nothing, exit 1), and :func:`patcher.checkpoint.write.write`: staged, checked as ``dsfix verify``
+checks a folder, loaded, and committed. Every argument and the input's shape are checked before torch is
+imported; third-party bars and warnings are off meanwhile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from patcher.checkpoint.convert.report import CheckpointResult, ConvertReport, ConvertStatus, FolderResult
+from patcher.checkpoint.names import BIN_INDEX_NAME, BIN_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME, STAGING_PREFIX, examples
+from patcher.checkpoint.readers.bin import bin_files
+from patcher.checkpoint.readers.find import (
+    Chosen, choose_checkpoint, config_for, contents, is_engine_checkpoint, model_folders, producer_of,
+    run_checkpoints, step_folder,
+)
+from patcher.checkpoint.write import PROGRESS_MIN_BYTES, Job, write
+from patcher.checkpoint.write.files import clear_stale, fsync
+from patcher.checkpoint.write.plan import STRATEGIES
+from patcher.checkpoint.write.writer import MAX_SHARD_SIZE
+from patcher.errors import DsfixError, need_folder
+
+
+def convert(path, *, output=None, config=None, tag: Optional[str] = None, dtype: str = "auto",
+            strategy: str = "clone", remove_bin: bool = False, load: bool = True, lora_scaling: Optional[float] = None,
+            keep_lora: bool = False, console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
+            progress_min_bytes: int = PROGRESS_MIN_BYTES) -> Any:
+    """Convert what ``path`` holds (see the module docstring). Raises DsfixError (code 2) on bad input, nothing
+    written; a failed check gives a result that is not ``ok`` (exit 1), nothing written."""
+    need_folder(path)
+    if strategy not in STRATEGIES:
+        raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
+    bins = any((f / n).is_file() for f in model_folders(path) for n in (BIN_NAME, BIN_INDEX_NAME))
+    if is_engine_checkpoint(path) or (not bins and run_checkpoints(path)):
+        if remove_bin:
+            raise DsfixError("--remove-bin is for .bin output folders; a DeepSpeed checkpoint is left as it is")
+        if config is not None:
+            need_folder(config)
+        return convert_checkpoint(path, config, output, tag=tag, dtype=dtype, strategy=strategy, load=load,
+                                  lora_scaling=lora_scaling, keep_lora=keep_lora, console=console,
+                                  max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
+    given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag),
+                            ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None)) if v is not None]
+    if given or dtype != "auto":
+        options = given or ["--dtype"]
+        what = ("a .bin output folder is converted in place" if bins else
+                f"none here, nor .bin weights: found {contents(path)}")
+        raise DsfixError(f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} for DeepSpeed checkpoints "
+                         f"(latest, checkpoint-N/); {what}", path=str(path))
+    return convert_in_place(path, strategy=strategy, remove_bin=remove_bin, load=load, console=console,
+                            max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
+
+
+# --------------------------------------------------------------------------- a DeepSpeed checkpoint, into --output
+
+
+def convert_checkpoint(path, config, output, *, tag: Optional[str] = None, dtype: str = "auto",
+                       strategy: str = "clone", load: bool = True, lora_scaling: Optional[float] = None,
+                       keep_lora: bool = False, console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
+                       progress_min_bytes: int = PROGRESS_MIN_BYTES) -> CheckpointResult:
+    """An engine or universal checkpoint (or a Trainer run folder's chosen ``checkpoint-N``) into ``output``."""
+    from patcher.checkpoint.check.model import load_config
+    from patcher.checkpoint.quiet import quiet
+    from patcher.checkpoint.readers import open_step
+    from patcher.checkpoint.steps import lora
+    from patcher.checkpoint.write.plan import make_plan, out_dtype
+
+    chosen = choose_checkpoint(path, tag) or Chosen(Path(path), tag, "")
+    output = _check_output(path, output, lora_scaling)
+    config, own = config_for(chosen, config)
+    step, step_tag, _ = step_folder(chosen.path, chosen.tag)
+    with quiet():
+        source = open_step(step, step_tag)
+        cfg, cfg_check, cfg_dtype = load_config(config)
+        if cfg is None:
+            raise DsfixError(f"{'' if own else '--config: '}{cfg_check.detail}", path=str(config))
+        written_dtype = out_dtype(dtype, cfg_dtype, source)
+        reader = lora.fused(source, lora_scaling, keep_lora)
+        plan = make_plan(reader, cfg, cfg_check, cfg_dtype, strategy, written_dtype)
+        fusing = reader.info() if isinstance(reader, lora.FusedLoRA) else None
+        if isinstance(reader, lora.FusedLoRA):
+            plan.checks.append(reader.check())
+        root = step.parent if step != chosen.path else chosen.path
+        base = dict(path=str(path), output=str(output), tag=source.tag, world=source.world, stage=source.stage,
+                    precision=source.precision, dtype=str(written_dtype).replace("torch.", ""), strategy=strategy,
+                    universal=source.kind == "universal", checkpoint=str(chosen.path), chosen=chosen.note,
+                    producer=producer_of(root), config=str(config), config_own=own, lora=fusing)
+        if not plan.ok:
+            return CheckpointResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(plan.checks),
+                                    note="a check failed before writing", **base)
+        job = Job(reader, output, False, config, plan, load, max_shard_size)
+        done = write([job], console, progress_min_bytes)[0]
+    tensors = len(plan.entries)
+    if not done.ok:
+        return CheckpointResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(done.checks), tensors=tensors,
+                                note="a check of the written folder failed", **base)
+    return CheckpointResult(status=ConvertStatus.CONVERTED, ok=True, checks=tuple(done.checks), tensors=tensors,
+                            written=tuple(done.names), bytes_written=done.nbytes, **base)
+
+
+def _check_output(path, output, lora_scaling) -> Path:
+    import math
+
+    if lora_scaling is not None and not (isinstance(lora_scaling, (int, float)) and math.isfinite(lora_scaling)
+                                         and lora_scaling > 0):
+        raise DsfixError(f"--lora-scaling must be a positive number, not {lora_scaling}")
+    if output is None:
+        raise DsfixError("a DeepSpeed checkpoint is converted into a new folder: convert needs --output OUT_DIR "
+                         "(new or empty)", path=str(path))
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise DsfixError("--output exists and is not an empty folder; nothing written", path=str(output))
+    if not output.parent.is_dir():
+        raise DsfixError("--output: its parent folder does not exist", path=str(output))
+    return output
+
+
+# --------------------------------------------------------------------------- .bin folders, in place
+
+
+def convert_in_place(path, *, strategy: str = "clone", remove_bin: bool = False, load: bool = True,
+                     console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
+                     progress_min_bytes: int = PROGRESS_MIN_BYTES) -> ConvertReport:
+    """Every model folder under ``path`` (a step-3 folder's actor/, critic/, actor_ema/): all or none."""
+    from patcher.checkpoint.check.model import load_config
+    from patcher.checkpoint.quiet import quiet
+    from patcher.checkpoint.readers.bin import BinFolder
+    from patcher.checkpoint.write.plan import make_plan
+
+    folders = model_folders(path)
+    already = {folder: _already(folder) for folder in folders}
+    for folder in folders:  # a killed run's staging folder, even where there is nothing left to convert
+        clear_stale(folder, STAGING_PREFIX)
+    results: dict = {f: FolderResult(str(f), ConvertStatus.NOTHING, True, note=why, strategy=strategy)
+                     for f, why in already.items() if why is not None}
+    if len(results) == len(folders):
+        return ConvertReport(str(path), strategy, tuple(results[f] for f in folders))
+    with quiet():
+        jobs = []
+        for folder in (f for f in folders if already[f] is None):
+            reader = BinFolder(folder)
+            cfg, cfg_check, cfg_dtype = load_config(folder)
+            jobs.append(Job(reader, folder, True, folder, make_plan(reader, cfg, cfg_check, cfg_dtype, strategy, None),
+                            load, max_shard_size))
+        staged = write(jobs, console, progress_min_bytes) if all(job.plan.ok for job in jobs) else []
+    for job in jobs:
+        if not job.plan.ok:
+            results[job.target] = _folder_result(job, strategy, ConvertStatus.FAILED, job.plan.checks)
+    for done in staged:
+        if not done.ok:
+            results[done.job.target] = _folder_result(done.job, strategy, ConvertStatus.FAILED, done.checks)
+    if any(r.status is ConvertStatus.FAILED for r in results.values()):
+        for job in jobs:
+            results.setdefault(job.target, _folder_result(job, strategy, ConvertStatus.NOT_WRITTEN))
+    else:
+        for done in staged:
+            removed = _remove_bins(done.job.target, done.job.reader) if remove_bin else []
+            results[done.job.target] = _folder_result(done.job, strategy, ConvertStatus.CONVERTED, done.checks,
+                                                      written=done.names, nbytes=done.nbytes, removed=removed)
+    return ConvertReport(str(path), strategy, tuple(results[f] for f in folders))
+
+
+def _already(folder: Path) -> Optional[str]:
+    """Why there is nothing to convert in ``folder`` (None: its .bin is to be converted), from file names (no
+    torch). Raises DsfixError (code 2) on bad input."""
+    st_name = next((n for n in (SINGLE_NAME, INDEX_NAME) if (folder / n).is_file()), None)
+    if (folder / BIN_INDEX_NAME).is_file() or (folder / BIN_NAME).is_file():
+        source = bin_files(folder)
+    elif st_name is not None:
+        return f"it is already safetensors ({st_name})"
+    else:
+        others = sorted(p.name for p in folder.glob("*.bin"))
+        found = f"; found only {examples(others)}" if others else f"; found {contents(folder)}"
+        raise DsfixError(f"no {BIN_NAME} (also not in actor/, critic/, actor_ema/), no latest, no checkpoint-N/{found}",
+                         path=str(folder))
+    if st_name is not None:
+        return f"{st_name} is already there beside {examples(source)} (remove {st_name} to convert again)"
+    if not (folder / CONFIG_NAME).is_file():
+        raise DsfixError(f"no {CONFIG_NAME}: convert needs the model's config to check the weights", path=str(folder))
+    return None
+
+
+def _folder_result(job: Job, strategy: str, status: ConvertStatus, checks: Optional[list] = None,
+                   written: tuple = (), nbytes: int = 0, removed: tuple = ()) -> FolderResult:
+    plan, reader = job.plan, job.reader
+    common = dict(kind=plan.kind, strategy=strategy, source=tuple(reader.sources))
+    if status is ConvertStatus.NOT_WRITTEN:
+        return FolderResult(str(job.target), status, False, **common, note="another folder failed a check; nothing written")
+    if status is ConvertStatus.FAILED:
+        return FolderResult(str(job.target), status, False, tuple(checks or ()), **common, mmap=reader.mmap,
+                            tensors=len(plan.entries) or None)
+    return FolderResult(str(job.target), status, True, tuple(checks or ()), **common, written=tuple(written),
+                        tensors=len(plan.entries), restored=tuple(plan.restored), dropped=tuple(plan.dropped),
+                        removed=tuple(removed), bytes_written=nbytes, mmap=reader.mmap)
+
+
+def _remove_bins(folder: Path, reader: Any) -> list:
+    names = list(reader.sources) + ([BIN_INDEX_NAME] if reader.sharded else [])
+    removed = []
+    for name in names:
+        try:
+            (folder / name).unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise DsfixError(f"converted, but cannot remove {name}: {e.strerror or e}", path=str(folder)) from e
+    fsync(folder)
+    return removed
