@@ -9,9 +9,8 @@ import shutil
 
 import pytest
 
-from smokekit import NARROW, narrow_model
 from patchkit import REPO, cli, copy_fixture, run
-
+from smokekit import NARROW, narrow_model
 
 pytestmark = pytest.mark.slow  # torch models through the CLI, and the demo
 

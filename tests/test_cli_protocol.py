@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import CLEAN_ENV, REPO, cli, copy_fixture, run, snapshot
 from patcher.checkpoint.convert import ConvertReport, ConvertStatus, FolderResult
 from patcher.checkpoint.engine import EngineResult
 from patcher.checkpoint.smoke import SmokeReport
@@ -23,6 +22,7 @@ from patcher.patch.plan import Status
 from patcher.prereq import no_gpu_driver
 from patcher.report import COMMON_KEYS, ErrorResult, Verdict
 from patcher.report import Status as ResultStatus
+from patchkit import CLEAN_ENV, REPO, cli, copy_fixture, run, snapshot
 
 # ----------------------------------------------------------------------------- the protocol, one row a case
 

@@ -32,11 +32,11 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from smokekit import NARROW, narrow_model, same_attention  # noqa: E402
-from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
 from patcher.checkpoint.convert import convert  # noqa: E402
-from patcher.errors import DsfixError  # noqa: E402
 from patcher.checkpoint.verify import verify_folder  # noqa: E402
+from patcher.errors import DsfixError  # noqa: E402
+from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
+from smokekit import NARROW, narrow_model, same_attention  # noqa: E402
 
 PROBE = torch.tensor([[5, 17, 3, 99, 250, 7, 42, 1, 300]])
 

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patchkit import FIXTURES, pyflakes_messages
-from patcher.patch import plan as planner
 from patcher.errors import DsfixError
+from patcher.patch import plan as planner
 from patcher.patch.plan import Target
+from patchkit import FIXTURES, pyflakes_messages
 from unitkit import fix, undo
 
 pytestmark = pytest.mark.slow  # hundreds of generated files patched and reverted

@@ -17,11 +17,10 @@ pytestmark = pytest.mark.slow  # torch models saved and reloaded, ZeRO-3 ranks
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from smokekit import (NARROW, broken_code, make_checkout, narrow_model, patched_checkout,  # noqa: E402
-                      quiet_console)
-from patcher.errors import DsfixError  # noqa: E402
 from patcher.checkpoint.smoke import print_report, run_smoke  # noqa: E402
 from patcher.checkpoint.smoke_worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
+from patcher.errors import DsfixError  # noqa: E402
+from smokekit import NARROW, broken_code, make_checkout, narrow_model, patched_checkout, quiet_console  # noqa: E402
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 

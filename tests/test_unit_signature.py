@@ -9,8 +9,7 @@ import libcst as cst
 import pytest
 
 from patcher.errors import DsfixError
-from patcher.patch import signature
-from patcher.patch import calls
+from patcher.patch import calls, signature
 
 UPSTREAM = "def save_hf_format(model, tokenizer, args, sub_folder=''):"
 Z3 = "def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):"

@@ -17,9 +17,9 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from smokekit import FULL, NARROW, narrow_model  # noqa: E402
-from patcher.errors import DsfixError  # noqa: E402
 from patcher.checkpoint.verify import VerifyReport, tie_on_load_check, verify_folder  # noqa: E402
+from patcher.errors import DsfixError  # noqa: E402
+from smokekit import FULL, NARROW, narrow_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

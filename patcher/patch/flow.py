@@ -8,10 +8,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch import plan as planner
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
-from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch.locate import Checkout, chat_roots_below, find_checkout, find_patched, layout_of
 from patcher.patch.plan import Status, Target
 from patcher.patch.source import Unreadable

@@ -16,10 +16,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.patch.imports import module_candidates
-from patcher.patch.source import Source, parse_script, statements
 from patcher.errors import DsfixError
-from patcher.patch.names import SAVE_NAMES, dotted as dotted_name
+from patcher.patch.imports import module_candidates
+from patcher.patch.names import SAVE_NAMES
+from patcher.patch.names import dotted as dotted_name
+from patcher.patch.source import Source, parse_script, statements
 
 _ANCESTORS = 4  # folders above the DeepSpeed-Chat folder searched when no .git marks the repository root
 

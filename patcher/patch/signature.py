@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from patcher.errors import DsfixError, Refused
 from patcher.patch import folder, imports, keyfilter
 from patcher.patch import source as src
-from patcher.errors import DsfixError, Refused
 from patcher.patch.names import MODULE_FUNCTIONS, RENAMES
 
 EXTRAS = ("strategy", "max_shard_size")  # dsfix's own keyword-only options, after the fork's parameters

@@ -10,8 +10,19 @@ import libcst as cst
 
 from patcher.errors import DsfixError
 from patcher.patch import imports
-from patcher.patch.fixers.base import (Context, Fixer, Patched, Target, dsfix_text, find_marker, in_style,
-                                       is_dsfix_statement, make_marker, placeholder, with_block)
+from patcher.patch.fixers.base import (
+    Context,
+    Fixer,
+    Patched,
+    Target,
+    dsfix_text,
+    find_marker,
+    in_style,
+    is_dsfix_statement,
+    make_marker,
+    placeholder,
+    with_block,
+)
 from patcher.patch.imports import ImportSpec
 from patcher.patch.names import dotted
 from patcher.patch.source import encode, parse_cst, render

@@ -18,6 +18,7 @@ from patcher.patch.imports import alias_name, bound_name, from_module
 from patcher.patch.names import NEW_NAMES, RENAMES, SAVE_NAMES, last_name
 from patcher.patch.source import Decoded, newline_of, parse_script
 
+
 def _realign(call: cst.Call, found, delta: int) -> cst.Call:
     """Keep arguments that were aligned under the opening parenthesis aligned after a rename."""
 

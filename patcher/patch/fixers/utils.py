@@ -25,12 +25,18 @@ import libcst as cst
 from patcher.errors import DsfixError
 from patcher.patch import calls, imports, signature
 from patcher.patch.fixers.base import (
-    PLACEHOLDER, Context, Fixer, Patched, Target, in_style, make_marker, parse_marker, put_block,
+    PLACEHOLDER,
+    Context,
+    Fixer,
+    Patched,
+    Target,
+    in_style,
+    make_marker,
+    parse_marker,
+    put_block,
 )
 from patcher.patch.imports import ImportSpec
-from patcher.patch.names import (
-    PUBLIC_NAMES, SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, ast_defined_name, is_dsfix_name,
-)
+from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, ast_defined_name, is_dsfix_name
 from patcher.patch.source import Source, encode, newline_of, parse_script
 from patcher.patch.template import module_version
 
