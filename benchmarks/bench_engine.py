@@ -68,12 +68,14 @@ METHODS = (  # key, label, argv ({ckpt}, {model}, {out}), output dtype
     ("z2f_safe", "zero_to_fp32 --safe_serialization fp32", ["-c", Z2F, "{ckpt}", "{out}", "float32", "1"], "fp32"),
     ("z2f_bf16", "zero_to_fp32 .bin bf16 (dtype=bfloat16)", ["-c", Z2F, "{ckpt}", "{out}", "bfloat16", "0"], "bf16"),
     ("dsfix_fp32", "dsfix convert --dtype fp32",
-     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "fp32", "--json"], "fp32"),
+     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "fp32", "--json"],
+     "fp32"),
     ("dsfix_fp32_noload", "dsfix convert --dtype fp32 --no-load",
      ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "fp32", "--no-load",
       "--json"], "fp32"),
     ("dsfix_bf16", "dsfix convert --dtype bf16",
-     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16", "--json"], "bf16"),
+     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16", "--json"],
+     "bf16"),
     ("dsfix_bf16_dedupe", "dsfix convert --dtype bf16 --strategy dedupe --no-load",
      ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16",
       "--strategy", "dedupe", "--no-load", "--json"], "bf16"),
@@ -139,7 +141,8 @@ def _status_kb(pid, fields):
 def run_child(args, cwd):
     """(wall s, CPU s (user + system), {peak VmRSS, RssAnon, RssFile in MiB}, returncode, stdout, stderr tail).
     The output goes to files, not pipes, so that a full pipe never stalls the child between samples."""
-    env = dict(os.environ, NO_COLOR="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    env = dict(os.environ, NO_COLOR="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
     fields = ("VmRSS", "RssAnon", "RssFile")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -232,7 +235,8 @@ def summarize(label, dtype, runs):
     peaks = {k: max(r["peak_mib"][k] for r in runs) for k in runs[0]["peak_mib"]}
     failed = next((r for r in runs if r["returncode"] != 0), None)
     out = {"label": label, "dtype": dtype, "wall_s": statistics.median(walls), "wall_min_s": walls[0],
-           "wall_max_s": walls[-1], "cpu_s": statistics.median(r["cpu_s"] for r in runs), "peak_mib": peak_keys(peaks), "returncode": failed["returncode"] if failed else 0,
+           "wall_max_s": walls[-1], "cpu_s": statistics.median(r["cpu_s"] for r in runs), "peak_mib": peak_keys(peaks),
+           "returncode": failed["returncode"] if failed else 0,
            "written_mib": runs[-1]["written_mib"], "runs": runs}
     if failed:
         out["error"] = failed.get("error", "?")
@@ -275,7 +279,8 @@ def print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads, parts=Non
     print("- machine: %s; load average %.1f-%.1f while it ran" % (facts, min(loads), max(loads)))
     print("- %d round(s), the methods alternated round by round, each run in its own process (imports included), "
           "the checkpoint in the page cache, every written file fsynced; wall s is the median\n" % args.rounds)
-    print("| method | dtype | wall s | range s | CPU s | tensors | written MiB | peak RSS MiB | peak RssAnon MiB | peak RssFile MiB |")
+    print("| method | dtype | wall s | range s | CPU s | tensors | written MiB | peak RSS MiB | peak RssAnon MiB "
+          "| peak RssFile MiB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, label, _, _ in METHODS:
         r = results.get(key)

@@ -90,7 +90,8 @@ def save_zero3_like(module, out):
 
 def safetensors_state(folder):
     index = folder / "model.safetensors.index.json"
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    names = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     state = {}
     for name in names:
         state.update(load_file(str(folder / name)))
@@ -135,7 +136,8 @@ def test_step1_save_converts_to_311_tensors_that_reload_with_equal_logits(tmp_pa
     assert result["written"] == ["model.safetensors"] and result["restored"] == [] and result["removed"] == []
     assert {c["name"] for c in result["checks"]} >= {"source", "keys", "shapes", "tied", "load", "equal"}
     assert (folder / "pytorch_model.bin").read_bytes() == before  # kept, untouched
-    assert oct((folder / "model.safetensors").stat().st_mode & 0o777) == oct((folder / "pytorch_model.bin").stat().st_mode & 0o777)
+    mode = oct((folder / "pytorch_model.bin").stat().st_mode & 0o777)
+    assert oct((folder / "model.safetensors").stat().st_mode & 0o777) == mode
     assert not staging_left(tmp_path)
 
     state = safetensors_state(folder)

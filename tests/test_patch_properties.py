@@ -31,7 +31,8 @@ SETTINGS = settings(max_examples=int(200 * SCALE), deadline=None, suppress_healt
 def main_sources(draw):
     indent = draw(st.sampled_from(["    ", "  ", "\t"]))
     nl = draw(st.sampled_from(["\n", "\r\n"]))
-    others = draw(st.lists(st.sampled_from(["print_rank_0", "to_device", "set_random_seed", "load_hf_tokenizer"]), unique=True, max_size=4))
+    others = draw(st.lists(st.sampled_from(["print_rank_0", "to_device", "set_random_seed", "load_hf_tokenizer"]),
+                           unique=True, max_size=4))
     with_z3 = draw(st.booleans())
     style = draw(st.sampled_from(["line", "paren", "paren-trailing", "alias", "module-as", "from-utils", "two-lines"]))
     names = others + ["save_hf_format"] + (["save_zero_three_model"] if with_z3 else [])

@@ -68,7 +68,8 @@ def test_passes_under_zero3_with_two_ranks(good_checkout, tmp_path):
                        keep=tmp_path / "out", console=quiet_console(), timeout=300)
     assert report.ok, report.to_json()
     assert report.backend == "gloo" and report.nproc == 2
-    assert "--master_addr 127.0.0.1 --master_port PORT --nproc_per_node 2 -m patcher.checkpoint.smoke_worker" in report.launcher
+    assert ("--master_addr 127.0.0.1 --master_port PORT --nproc_per_node 2 -m patcher.checkpoint.smoke_worker"
+            in report.launcher)
     save = report.check("save").detail
     assert "310 of 310 parameters partitioned" in save
     assert "save_zero_three_model_safetensors on all 2 ranks" in save

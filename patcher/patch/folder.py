@@ -356,7 +356,8 @@ def _operands(node) -> list | None:
         return [node.value]
     if isinstance(node, cst.Subscript):
         slices = [el.slice for el in node.slice]
-        bounds = [b for sl in slices for b in ([sl.value] if isinstance(sl, cst.Index) else [sl.lower, sl.upper, sl.step])]
+        bounds = [b for sl in slices
+                  for b in ([sl.value] if isinstance(sl, cst.Index) else [sl.lower, sl.upper, sl.step])]
         return [node.value, *(b for b in bounds if b is not None)]
     if isinstance(node, cst.UnaryOperation):
         return [node.expression]

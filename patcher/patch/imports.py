@@ -137,7 +137,8 @@ def present_in(tree: ast.Module, spec: ImportSpec) -> bool:
                 if node.module == spec.module and any(a.name == spec.name and a.asname is None for a in node.names):
                     return True
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                blocks += [getattr(node, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(node, f, None), list)]
+                blocks += [getattr(node, f) for f in ("body", "orelse", "finalbody")
+                           if isinstance(getattr(node, f, None), list)]
                 blocks += [h.body for h in getattr(node, "handlers", ())]
     return False
 

@@ -368,7 +368,8 @@ def _checkout_at(root: Path, main_path: Path | None, scripts: list, home: Path |
         if not _exists(main_path):
             found = [Path(os.path.relpath(p, home or root)).as_posix() for p in callers(root)
                      if "step2" not in str(p) and "step3" not in str(p)]
-            hint = "; pass the script that saves: " + shown([_opt("--main", r) for r in found], sep=" or ") if found else ""
+            hint = ("; pass the script that saves: " + shown([_opt("--main", r) for r in found], sep=" or ")
+                    if found else "")
             raise DsfixError(f"no {STEP_MAIN[1]} and no other {STEP1_DIR}/main.py that calls the save functions"
                              f"{hint}", detail=[_opt("--main", r) for r in found])
     mains = {1: main_path, **_later_steps(root, main_path)}

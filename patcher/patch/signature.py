@@ -257,7 +257,8 @@ def default_def(name: str) -> SaveDef:
         "save_zero_three_model": "def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):\n"
                                  "    zero_stage_3 = (zero_stage == 3)\n    os.makedirs(save_dir, exist_ok=True)\n"
                                  "    sd = {k: v for k, v in model_ema.named_parameters() if 'lora' not in k}\n"
-                                 "    if global_rank == 0: torch.save(sd, os.path.join(save_dir, 'pytorch_model.bin'))\n",
+                                 "    if global_rank == 0: "
+                                 "torch.save(sd, os.path.join(save_dir, 'pytorch_model.bin'))\n",
     }
     d = read_def(cst.parse_statement(sigs[name]), "", None)
     return dataclasses.replace(d, line=0, notes=(), default=True)

@@ -196,8 +196,8 @@ def _build(folder: Path, saved: Saved) -> None:
     for (rel, kind), data in saved.blobs.items():
         if data is not None:
             files[f"{kind}/{rel}"] = data
-    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main, "scripts": list(saved.scripts),
-              "strategy": saved.strategy, "steps": list(saved.steps)}
+    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main,
+              "scripts": list(saved.scripts), "strategy": saved.strategy, "steps": list(saved.steps)}
     files["state.json"] = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
     for name, data in files.items():
         p = folder / name

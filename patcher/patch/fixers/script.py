@@ -36,7 +36,8 @@ def _realign(call: cst.Call, found, delta: int) -> cst.Call:
     for i, arg in enumerate(call.args):
         nxt = found.args[i + 1] if i + 1 < len(found.args) else None
         if isinstance(arg.comma, cst.Comma):
-            arg = arg.with_changes(comma=arg.comma.with_changes(whitespace_after=shift(arg.comma.whitespace_after, nxt)))
+            comma = arg.comma.with_changes(whitespace_after=shift(arg.comma.whitespace_after, nxt))
+            arg = arg.with_changes(comma=comma)
         args.append(arg)
     first = found.args[0] if found.args else None
     return call.with_changes(args=args, whitespace_before_args=shift(call.whitespace_before_args, first))

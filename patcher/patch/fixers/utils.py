@@ -267,7 +267,8 @@ class UtilsFixer(Fixer):
             cut = f.again(_spliced(f.text, _cut(f, f.dsfix_statements(), not marked)))
             text, dropped = _orphans(f, cut)
             f = f.again(text)
-            notes += [f"replaced a hand-written {n} with dsfix's (the original is kept for `dsfix revert`)" for n in hand]
+            notes += [f"replaced a hand-written {n} with dsfix's (the original is kept for `dsfix revert`)"
+                      for n in hand]
             notes += [f"dropped the import of {d}, which only the replaced code used" for d in dropped]
         replaced = [r for r in [*info.get("replaced", "").split(","), *hand] if r]
         held = next((form for i in range(len(patched.body)) if (form := patched.module_import(i))), None)
@@ -331,6 +332,7 @@ class UtilsFixer(Fixer):
 
 
 def _update_notes(info: dict, strategy: str) -> list:
-    what = [f"template {info.get('template')} -> v{module_version()}"] if info.get("template") != f"v{module_version()}" else []
+    current = f"v{module_version()}"
+    what = [f"template {info.get('template')} -> {current}"] if info.get("template") != current else []
     what += [f"strategy {info.get('strategy')} -> {strategy}"] if info.get("strategy") != strategy else []
     return ["updates dsfix's block: " + ", ".join(what)] if what else []
