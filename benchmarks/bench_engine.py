@@ -222,8 +222,8 @@ def run_method(key, argv, ckpt, model, work):
         entry["tensors"] = int(stdout.split()[-1])
     else:
         lines = err.strip().splitlines() or ["?"]
-        at = max([i for i, l in enumerate(lines) if "Error" in l or "error:" in l] or [len(lines) - 1])
-        entry["error"] = " ".join(l.strip() for l in lines[at:at + 3])[:300]
+        at = max([i for i, line in enumerate(lines) if "Error" in line or "error:" in line] or [len(lines) - 1])
+        entry["error"] = " ".join(line.strip() for line in lines[at:at + 3])[:300]
     entry["written_mib"] = du_mib(out) if os.path.isdir(out) else 0.0
     shutil.rmtree(out, ignore_errors=True)
     return entry
@@ -290,7 +290,7 @@ def print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads, parts=Non
             label, r["dtype"], r["wall_s"], r["wall_min_s"], r["wall_max_s"], r["cpu_s"], r.get("tensors", "failed"),
             r["written_mib"], r["peak_mib"]["VmRSS"], r["peak_mib"]["RssAnon"], r["peak_mib"]["RssFile"]))
     print()
-    for key, r in results.items():
+    for r in results.values():
         if "error" in r:
             print("- %s failed: %s" % (r["label"], r["error"]))
     for a, b in RATIOS:

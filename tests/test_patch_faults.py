@@ -23,7 +23,7 @@ def _one_line_error(p, code):
     assert p.returncode == code, (p.returncode, p.stderr)
     text = p.stderr.decode()
     assert "Traceback" not in text
-    lines = [l for l in text.splitlines() if l.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dsfix: error: "), text
     return lines[0]
 

@@ -69,7 +69,7 @@ def main_sources(draw):
     body = ["def main(model, tokenizer, args):"]
     if others and not mod_prefix:
         body.append(f"{indent}{others[0]}")
-    for i in range(n_calls):
+    for _ in range(n_calls):
         body.append(f"{indent}if args.global_rank == 0:")
         body.append(f"{indent}{indent}{mod_prefix}{hf}{call_args}")
     if with_z3 or mod_prefix:

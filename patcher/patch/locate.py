@@ -443,7 +443,7 @@ def _resolve(root: Path, script: Path):
 
 def _shadowed(root: Path, utils_path: Path) -> list:
     out = []
-    for name, rel in LAYOUTS.items():
+    for rel in LAYOUTS.values():
         other = root / rel
         if other.is_file() and other.resolve() != utils_path.resolve():
             out.append(f"step 1 imports {_rel(root, utils_path)}, which shadows {rel}: the copy step 1 really "
