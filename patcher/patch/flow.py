@@ -56,6 +56,7 @@ class Outcome(Result):
     diff: bytes = b""
     message: str = ""
     new_bytes: dict = field(default_factory=dict)  # check: rel -> the bytes apply would write
+    status = None  # no status of its own (each file has one): the exit code comes from the files (not a field)
 
     @property
     def exit_code(self) -> int:
