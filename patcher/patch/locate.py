@@ -144,7 +144,7 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
         raise file_not_folder(_shown_arg(repo))
     root = _chat_root(start)
     home = root or _step1_base(start)  # what --main and --script are relative to first
-    notes = []
+    notes: list[str] = []
     main_path = _given(main, "--main", home, notes) if main is not None else None
     script_paths = [_given(s, "--script", home, notes) for s in scripts]
     if main_path is None:
