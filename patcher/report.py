@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Sequence, TypeVar
 
 from patcher.errors import ERROR, INTERRUPTED, OK, PENDING
 
@@ -115,18 +115,22 @@ class NamedCheck(Protocol):
     def detail(self) -> str: ...
 
 
-class Checks:
+C = TypeVar("C", bound=NamedCheck)
+
+
+class Checks(Generic[C]):
     """What the reports of verify, smoke and convert share: a tuple of named checks (each with ``name``,
-    ``ok`` and ``detail``), looked up by name, and their JSON (``to_dict`` is the report's own)."""
+    ``ok`` and ``detail``; ``Checks[Check]`` names their type), looked up by name, and their JSON (``to_dict``
+    is the report's own)."""
 
-    checks: tuple[NamedCheck, ...]  # a field of each report (declared only: a dataclass field keeps no default)
+    checks: tuple[C, ...]  # a field of each report (declared only: a dataclass field keeps no default)
 
-    def check(self, name: str) -> NamedCheck | None:
+    def check(self, name: str) -> C | None:
         """The check of that name; None when the report has none (it never got that far)."""
         return next((c for c in self.checks if c.name == name), None)
 
     @property
-    def failed(self) -> tuple[NamedCheck, ...]:
+    def failed(self) -> tuple[C, ...]:
         return tuple(c for c in self.checks if not c.ok)
 
     def to_dict(self) -> dict:
