@@ -90,7 +90,10 @@ def main():
     tokenizer = tiny_qwen3_tokenizer()
     state = gathered_state(engine)
     outcomes, problems, summary = [], [], {}
-    op = lambda out: save(engine, tokenizer, rank, out)  # noqa: E731
+
+    def op(out):
+        return save(engine, tokenizer, rank, out)
+
     if rank == 0:
         previous = tiny_qwen3_model(seed=5, num_hidden_layers=LAYERS)
         sweep = Sweep(os.path.join(args.work, "sweep"), op, lambda f: previous_save(f, previous, tokenizer), state)
