@@ -45,3 +45,15 @@ def test_the_pypi_description_links_only_to_the_projects_own_addresses():
     links = LINK.findall((REPO / "docs" / "pypi.md").read_text())
     assert all(any(link == u or link.startswith(u + "/") for u in urls) for link in links), links
     assert "http" not in (REPO / "docs" / "pypi.md").read_text() or urls
+
+
+def test_the_checks_run_first_in_ci_pinned_and_named_in_contributing():
+    """`.ci/lint` (ruff and mypy) is what CONTRIBUTING gives to run before a commit, and CI's first step: before
+    any environment is made or torch installed. Its own environment's packages are pinned."""
+    steps = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    first_install = min(i for i, line in enumerate(steps) if "envs.sh" in line or "pip install" in line)
+    assert ".ci/lint" in steps[:first_install]
+    assert any(line.startswith(".ci/lint ") for line in (REPO / "CONTRIBUTING.md").read_text().splitlines())
+    pins = [line for line in (REPO / ".ci" / "lint.txt").read_text().splitlines() if line and line[0] != "#"]
+    assert pins and all(re.fullmatch(r"[a-z]+==[0-9.]+", p) for p in pins), pins
