@@ -29,7 +29,6 @@ sys.path.insert(0, HERE)
 
 from checkout_maker import write_checkout  # noqa: E402
 
-
 # An installed dsfix has its byte code compiled (pip does it); so do the floor's packages. Let Python write
 # the caches for an editable checkout too, or every run would compile dsfix from source.
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}

@@ -62,7 +62,8 @@ IMPORTS = "import torch, transformers, safetensors.torch, patcher.checkpoint.con
 METHODS = (
     ("convert", "dsfix convert", ["-m", "patcher", "convert", "{dir}", "--json"]),
     ("convert_noload", "dsfix convert --no-load", ["-m", "patcher", "convert", "{dir}", "--no-load", "--json"]),
-    ("convert_dedupe", "dsfix convert --strategy dedupe", ["-m", "patcher", "convert", "{dir}", "--strategy", "dedupe", "--json"]),
+    ("convert_dedupe", "dsfix convert --strategy dedupe",
+     ["-m", "patcher", "convert", "{dir}", "--strategy", "dedupe", "--json"]),
     ("plain", "plain script (load, clone, save_file, load_file)", ["-c", PLAIN, "{dir}"]),
     ("copy", "file copy of the .bin (disk limit)", ["-c", COPY, "{dir}"]),
 )
@@ -110,7 +111,8 @@ def make_folder(config_path, folder):
     state = {k: p.detach().clone() for k, p in model.named_parameters()}  # upstream's ZeRO-3 save: 310
     torch.save(state, os.path.join(folder, "pytorch_model.bin"))
     tied = model.model.embed_tokens.weight
-    return len(state), tied.numel() * tied.element_size() / MIB, os.path.getsize(os.path.join(folder, "pytorch_model.bin")) / MIB
+    return (len(state), tied.numel() * tied.element_size() / MIB,
+            os.path.getsize(os.path.join(folder, "pytorch_model.bin")) / MIB)
 
 
 def clean(folder):
@@ -191,7 +193,8 @@ def main():
     print()
     conv, noload, plain, copy = (med(k, "wall_s") for k in ("convert", "convert_noload", "plain", "copy"))
     extra = med("convert", "anon_mib") - base[1]
-    print("- dsfix convert --no-load / plain script = %.2f (the plain script checks nothing against the config)" % (noload / plain))
+    print("- dsfix convert --no-load / plain script = %.2f (the plain script checks nothing against the config)"
+          % (noload / plain))
     print("- dsfix convert / plain script = %.2f" % (conv / plain))
     print("- dsfix convert / file copy = %.2f" % (conv / copy))
     print("- anon memory above imports, dsfix convert = %.0f MiB (the tied tensor it must copy: %.0f MiB; "
@@ -201,7 +204,8 @@ def main():
         print("error in %s: %s" % (key, err), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"results": results, "imports": base[:3], "tied_mib": tied_mib, "bin_mib": bin_mib}, handle, indent=2)
+            json.dump({"results": results, "imports": base[:3], "tied_mib": tied_mib, "bin_mib": bin_mib}, handle,
+                      indent=2)
     return 1 if errors else 0
 
 

@@ -68,12 +68,14 @@ METHODS = (  # key, label, argv ({ckpt}, {model}, {out}), output dtype
     ("z2f_safe", "zero_to_fp32 --safe_serialization fp32", ["-c", Z2F, "{ckpt}", "{out}", "float32", "1"], "fp32"),
     ("z2f_bf16", "zero_to_fp32 .bin bf16 (dtype=bfloat16)", ["-c", Z2F, "{ckpt}", "{out}", "bfloat16", "0"], "bf16"),
     ("dsfix_fp32", "dsfix convert --dtype fp32",
-     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "fp32", "--json"], "fp32"),
+     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "fp32", "--json"],
+     "fp32"),
     ("dsfix_fp32_noload", "dsfix convert --dtype fp32 --no-load",
      ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "fp32", "--no-load",
       "--json"], "fp32"),
     ("dsfix_bf16", "dsfix convert --dtype bf16",
-     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16", "--json"], "bf16"),
+     ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16", "--json"],
+     "bf16"),
     ("dsfix_bf16_dedupe", "dsfix convert --dtype bf16 --strategy dedupe --no-load",
      ["-m", "patcher", "convert", "{ckpt}", "--config", "{model}", "--output", "{out}", "--dtype", "bf16",
       "--strategy", "dedupe", "--no-load", "--json"], "bf16"),
@@ -141,7 +143,8 @@ def _status_kb(pid, fields):
 def run_child(args, cwd):
     """(wall s, CPU s (user + system), {peak VmRSS, RssAnon, RssFile in MiB}, returncode, stdout, stderr tail).
     The output goes to files, not pipes, so that a full pipe never stalls the child between samples."""
-    env = dict(os.environ, NO_COLOR="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    env = dict(os.environ, NO_COLOR="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
     fields = ("VmRSS", "RssAnon", "RssFile")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -221,8 +224,8 @@ def run_method(key, argv, ckpt, model, work):
         entry["tensors"] = int(stdout.split()[-1])
     else:
         lines = err.strip().splitlines() or ["?"]
-        at = max([i for i, l in enumerate(lines) if "Error" in l or "error:" in l] or [len(lines) - 1])
-        entry["error"] = " ".join(l.strip() for l in lines[at:at + 3])[:300]
+        at = max([i for i, line in enumerate(lines) if "Error" in line or "error:" in line] or [len(lines) - 1])
+        entry["error"] = " ".join(line.strip() for line in lines[at:at + 3])[:300]
     entry["written_mib"] = du_mib(out) if os.path.isdir(out) else 0.0
     shutil.rmtree(out, ignore_errors=True)
     return entry
@@ -234,7 +237,8 @@ def summarize(label, dtype, runs):
     peaks = {k: max(r["peak_mib"][k] for r in runs) for k in runs[0]["peak_mib"]}
     failed = next((r for r in runs if r["returncode"] != 0), None)
     out = {"label": label, "dtype": dtype, "wall_s": statistics.median(walls), "wall_min_s": walls[0],
-           "wall_max_s": walls[-1], "cpu_s": statistics.median(r["cpu_s"] for r in runs), "peak_mib": peak_keys(peaks), "returncode": failed["returncode"] if failed else 0,
+           "wall_max_s": walls[-1], "cpu_s": statistics.median(r["cpu_s"] for r in runs), "peak_mib": peak_keys(peaks),
+           "returncode": failed["returncode"] if failed else 0,
            "written_mib": runs[-1]["written_mib"], "runs": runs}
     if failed:
         out["error"] = failed.get("error", "?")
@@ -277,7 +281,8 @@ def print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads, parts=Non
     print("- machine: %s; load average %.1f-%.1f while it ran" % (facts, min(loads), max(loads)))
     print("- %d round(s), the methods alternated round by round, each run in its own process (imports included), "
           "the checkpoint in the page cache, every written file fsynced; wall s is the median\n" % args.rounds)
-    print("| method | dtype | wall s | range s | CPU s | tensors | written MiB | peak RSS MiB | peak RssAnon MiB | peak RssFile MiB |")
+    print("| method | dtype | wall s | range s | CPU s | tensors | written MiB | peak RSS MiB | peak RssAnon MiB "
+          "| peak RssFile MiB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, label, _, _ in METHODS:
         r = results.get(key)
@@ -287,7 +292,7 @@ def print_report(args, results, ckpt, ckpt_mib, setup_s, facts, loads, parts=Non
             label, r["dtype"], r["wall_s"], r["wall_min_s"], r["wall_max_s"], r["cpu_s"], r.get("tensors", "failed"),
             r["written_mib"], r["peak_mib"]["VmRSS"], r["peak_mib"]["RssAnon"], r["peak_mib"]["RssFile"]))
     print()
-    for key, r in results.items():
+    for r in results.values():
         if "error" in r:
             print("- %s failed: %s" % (r["label"], r["error"]))
     for a, b in RATIOS:

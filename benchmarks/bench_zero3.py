@@ -136,7 +136,8 @@ def worker(args):
                 os.makedirs(out, exist_ok=True)
                 files = common.written(out)
                 results.append({"method": method, "round": round_, "wall_s": max(w for w, _ in every),
-                                "rank0_peak": every[0][1], "other_peak": max([p for _, p in every[1:] if p is not None], default=None),
+                                "rank0_peak": every[0][1],
+                                "other_peak": max([p for _, p in every[1:] if p is not None], default=None),
                                 "bytes_written": sum(files.values()), "files": len(files), "gathers": gathers[0],
                                 "tensors": common.tensor_count(out) if files else None})
                 shutil.rmtree(out)

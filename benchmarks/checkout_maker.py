@@ -56,7 +56,8 @@ def write_checkout(root: str, main_lines: int = 400, utils_lines: int = 310) -> 
                                                                      // HELPER.count("\n")))))
     with open(os.path.join(root, MAIN), encoding="utf-8") as f:
         main = f.read()
-    main = _grow(main, "    parser = deepspeed.add_config_arguments(parser)\n", ARG, (main_lines + main.count("\n")) // 2)
+    main = _grow(main, "    parser = deepspeed.add_config_arguments(parser)\n", ARG,
+                 (main_lines + main.count("\n")) // 2)
     main = _grow(main, "\n    if args.output_dir is not None:\n", STEP, main_lines)
     with open(os.path.join(root, MAIN), "w", encoding="utf-8") as f:
         f.write(main)

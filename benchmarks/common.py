@@ -160,7 +160,8 @@ def machine_facts(work):
     if os.path.exists("/proc/cpuinfo"):
         found = re.search(r"^model name\s*:\s*(.+)$", open("/proc/cpuinfo").read(), re.M)
         cpu = found.group(1).strip() if found else cpu
-    ram = re.search(r"^MemTotal:\s+(\d+)", open("/proc/meminfo").read(), re.M) if os.path.exists("/proc/meminfo") else None
+    ram = (re.search(r"^MemTotal:\s+(\d+)", open("/proc/meminfo").read(), re.M) if os.path.exists("/proc/meminfo")
+           else None)
     versions = {}
     for dist in ("torch", "transformers", "safetensors", "deepspeed"):
         try:

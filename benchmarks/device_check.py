@@ -365,10 +365,10 @@ def stage_step1(check):
         trainer += ", upstream's asked for but its packages are not importable (setup.log)"
     check.facts["step-1 trainer"] = trainer
     checkouts = {}
+    top = os.path.abspath(upstream) if upstream else None  # upstream's top folder, one for both copies
     for variant in ("unpatched", "patched"):
         folder = os.path.join(base, variant, "DeepSpeed-Chat")
-        if upstream:
-            top = os.path.abspath(upstream)  # not its .git, nor outputs and data of earlier runs at the top
+        if upstream:  # not its .git, nor outputs and data of earlier runs at the top
             shutil.copytree(upstream, folder, ignore=lambda here, names: [n for n in names if n == ".git" or (
                 os.path.abspath(here) == top and (n == "data" or n.startswith("output")))])
             _write_upstream_data(folder)

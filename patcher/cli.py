@@ -13,12 +13,12 @@ from pathlib import Path
 from patcher.errors import stop_point
 from patcher.startup import interrupt_at_startup
 
-if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the dsfix program itself, not a test importing this
+if sys.argv[:1] and Path(sys.argv[0]).name in ("dsfix", "dsfix.exe"):  # the program itself, not a test importing it
     interrupt_at_startup()
 stop_point("startup")  # the imports below take most of a second: a test stops here (patcher.errors.stop_point)
 
 from enum import Enum  # noqa: E402
-from typing import List, Optional  # noqa: E402
+from typing import Annotated, List, Optional  # noqa: E402
 
 import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
@@ -71,33 +71,30 @@ class DType(str, Enum):
     fp32 = "fp32"
 
 
-REPO_ARG = typer.Argument(".", help="The DeepSpeed-Chat folder, a DeepSpeedExamples checkout, or any folder inside.")
-JSON_OPT = typer.Option(False, "--json", help="Print a machine-readable result on stdout.")
-MAIN_OPT = typer.Option(
-    None, "--main", help="The step-1 script, where dsfix does not find it by itself (a path in the checkout, "
-    "else in the current folder)."
-)
-SCRIPT_OPT = typer.Option(
-    [], "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py."
-)
-STRATEGY_OPT = typer.Option(
-    None, help=f"clone: every tied alias saved as its own copy ({BUNDLED_TENSORS} tensors for Qwen3-0.6B); "
-    f"dedupe: transformers' layout, the alias dropped ({BUNDLED_TENSORS - 1}). Default: as the last apply "
-    "recorded, else clone.",
-    show_default=False,
-)
-STEPS_OPT = typer.Option(
-    None, "--steps", metavar="LIST",
-    help="The DeepSpeed-Chat steps to patch, comma-separated: 1, 1,2 or 1,2,3. Default: as the last apply "
-    "recorded, else 1. Listing 2 or 3 also adapts step 3's critic loader (create_critic_model) to read safetensors.",
-)
+# ----------------------------------------------------------------------------- the options verbs share
+
+Repo = Annotated[Path, typer.Argument(help="The DeepSpeed-Chat folder, a DeepSpeedExamples checkout, or any folder "
+                                           "inside.")]
+Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable result on stdout.")]
+Main = Annotated[Optional[Path], typer.Option(
+    "--main", help="The step-1 script, where dsfix does not find it by itself (a path in the checkout, else in the "
+    "current folder).")]
+Scripts = Annotated[Optional[List[Path]], typer.Option(
+    "--script", help="A further step-1 entry script to patch too (repeatable), e.g. main_lora.py.")]
+StrategyOpt = Annotated[Optional[Strategy], typer.Option(
+    help=f"clone: every tied alias saved as its own copy ({BUNDLED_TENSORS} tensors for Qwen3-0.6B); dedupe: "
+    f"transformers' layout, the alias dropped ({BUNDLED_TENSORS - 1}). Default: as the last apply recorded, else "
+    "clone.", show_default=False)]
+Steps = Annotated[Optional[str], typer.Option(
+    "--steps", metavar="LIST", help="The DeepSpeed-Chat steps to patch, comma-separated: 1, 1,2 or 1,2,3. Default: "
+    "as the last apply recorded, else 1. Listing 2 or 3 also adapts step 3's critic loader (create_critic_model) to "
+    "read safetensors.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing (the exit code tells); --json still prints.")]
+Stat = Annotated[bool, typer.Option("--stat", help="Print a per-file summary (as git diff --stat does) instead of the "
+                                                   "diff.")]
 
 
-QUIET_OPT = typer.Option(False, "--quiet", "-q", help="Print nothing (the exit code tells); --json still prints.")
-STAT_OPT = typer.Option(False, "--stat", help="Print a per-file summary (as git diff --stat does) instead of the diff.")
-
-
-def _version(value: bool):
+def _version(value: bool) -> None:
     if value:
         typer.echo(f"dsfix {__version__}")
         raise typer.Exit()
@@ -105,17 +102,15 @@ def _version(value: bool):
 
 @app.callback()
 def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show a traceback on errors (anywhere on the line; the "
-                                                      "exit code stays the same)."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
-):
+    debug: Annotated[bool, typer.Option("--debug", help="Show a traceback on errors (anywhere on the line; the exit "
+                                                        "code stays the same).")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Show the version.")] = False,
+) -> None:
     pass
 
 
-# ----------------------------------------------------------------------------- the commands
-
-
-def _steps(text: str | None) -> tuple | None:
+def _steps(text: Optional[str]) -> Optional[tuple]:
     """--steps: a comma-separated list of 1, 2 and 3 (step 1 is patched only when it is listed)."""
     if text is None:
         return None
@@ -126,40 +121,27 @@ def _steps(text: str | None) -> tuple | None:
     return tuple(sorted({int(p) for p in parts}))
 
 
+# ----------------------------------------------------------------------------- the verbs
+
+
 @app.command(help="Print the diff apply would make; write nothing. Exit 0: nothing to do, 1: changes pending, "
                   "2: error.")
 @command
-def check(
-    repo: Path = REPO_ARG,
-    strategy: Optional[Strategy] = STRATEGY_OPT,
-    steps: Optional[str] = STEPS_OPT,
-    main_script: Optional[Path] = MAIN_OPT,
-    script: List[Path] = SCRIPT_OPT,
-    as_json: bool = JSON_OPT,
-    stat: bool = STAT_OPT,
-    quiet: bool = QUIET_OPT,
-):
+def check(repo: Repo = Path("."), strategy: StrategyOpt = None, steps: Steps = None, main_script: Main = None,
+          script: Scripts = None, as_json: Json = False, stat: Stat = False, quiet: Quiet = False):
     from patcher.patch import flow
 
-    return flow.check(repo, strategy.value if strategy else None, _steps(steps), main_script, script)
+    return flow.check(repo, strategy.value if strategy else None, _steps(steps), main_script, script or [])
 
 
 @app.command(help="Patch the checkout: all files or none. Exit 0: applied or already applied, 2: error (nothing "
                   "written), 3: locked (another dsfix run is changing the checkout).")
 @command
-def apply(
-    repo: Path = REPO_ARG,
-    strategy: Optional[Strategy] = STRATEGY_OPT,
-    steps: Optional[str] = STEPS_OPT,
-    main_script: Optional[Path] = MAIN_OPT,
-    script: List[Path] = SCRIPT_OPT,
-    as_json: bool = JSON_OPT,
-    stat: bool = STAT_OPT,
-    quiet: bool = QUIET_OPT,
-):
+def apply(repo: Repo = Path("."), strategy: StrategyOpt = None, steps: Steps = None, main_script: Main = None,
+          script: Scripts = None, as_json: Json = False, stat: Stat = False, quiet: Quiet = False):
     from patcher.patch import flow
 
-    return flow.apply(repo, strategy.value if strategy else None, _steps(steps), main_script, script)
+    return flow.apply(repo, strategy.value if strategy else None, _steps(steps), main_script, script or [])
 
 
 @app.command(help="Undo apply. Exit 0: restored or nothing to restore, 1: refused because files changed, 2: error "
@@ -167,18 +149,19 @@ def apply(
                   "checkout).")
 @command
 def revert(
-    repo: Path = REPO_ARG,
-    force: bool = typer.Option(False, "--force", "-f", help="Restore originals even over later edits (kept beside as *.dsfix-edited)."),
-    main_script: Optional[Path] = MAIN_OPT,
-    script: List[Path] = typer.Option(
-        [], "--script", help="A further step-1 entry script that apply patched (repeatable), e.g. main_lora.py; "
-        "needed only where the state folder is gone and dsfix does not find it by itself."),
-    as_json: bool = JSON_OPT,
-    quiet: bool = QUIET_OPT,
+    repo: Repo = Path("."),
+    force: Annotated[bool, typer.Option("--force", "-f", help="Restore originals even over later edits (kept beside "
+                                                              "as *.dsfix-edited).")] = False,
+    main_script: Main = None,
+    script: Annotated[Optional[List[Path]], typer.Option(
+        "--script", help="A further step-1 entry script that apply patched (repeatable), e.g. main_lora.py; needed "
+        "only where the state folder is gone and dsfix does not find it by itself.")] = None,
+    as_json: Json = False,
+    quiet: Quiet = False,
 ):
     from patcher.patch import flow
 
-    return flow.revert(repo, force=force, main=main_script, scripts=script)
+    return flow.revert(repo, force=force, main=main_script, scripts=script or [])
 
 
 @app.command(short_help="Check a saved folder against its config, or against a reference.",
@@ -186,17 +169,21 @@ def revert(
                   "1: a check failed (a difference), 2: bad input.")
 @command
 def verify(
-    folder: Path = typer.Argument(..., help="A saved model folder (config.json plus safetensors weights), "
-                                            "or a step-3 output folder holding actor/, critic/, actor_ema/."),
-    expect: Optional[int] = typer.Option(None, help="The number of tensors the file must hold (each folder's)."),
-    load: bool = typer.Option(True, help="Also load the folder (from_pretrained; a critic into its module)."),
-    against: Optional[Path] = typer.Option(None, "--against", help="Compare with this reference model folder instead "
-                                           "(safetensors, or a pytorch_model.bin such as zero_to_fp32's, loaded "
-                                           "weights-only): keys, shapes, dtypes, values (bit-equal unless "
-                                           "--atol/--rtol), ties."),
-    atol: float = typer.Option(0.0, "--atol", min=0.0, help="With --against: the absolute difference allowed."),
-    rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="With --against: the difference allowed relative to the reference."),
-    as_json: bool = JSON_OPT,
+    folder: Annotated[Path, typer.Argument(help="A saved model folder (config.json plus safetensors weights), or a "
+                                                "step-3 output folder holding actor/, critic/, actor_ema/.")],
+    expect: Annotated[Optional[int], typer.Option(help="The number of tensors the file must hold (each "
+                                                       "folder's).")] = None,
+    load: Annotated[bool, typer.Option(help="Also load the folder (from_pretrained; a critic into its "
+                                            "module).")] = True,
+    against: Annotated[Optional[Path], typer.Option(
+        "--against", help="Compare with this reference model folder instead (safetensors, or a pytorch_model.bin "
+        "such as zero_to_fp32's, loaded weights-only): keys, shapes, dtypes, values (bit-equal unless --atol/--rtol), "
+        "ties.")] = None,
+    atol: Annotated[float, typer.Option("--atol", min=0.0, help="With --against: the absolute difference "
+                                                                "allowed.")] = 0.0,
+    rtol: Annotated[float, typer.Option("--rtol", min=0.0, help="With --against: the difference allowed relative to "
+                                                                "the reference.")] = 0.0,
+    as_json: Json = False,
 ):
     from patcher.prereq import require
 
@@ -220,34 +207,37 @@ class OutDType(str, Enum):
                   "pickle.")
 @command
 def convert(
-    folder: Path = typer.Argument(..., help="A DeepSpeed checkpoint (latest + global_stepN/, or global_stepN/): a "
-                                            "Trainer's checkpoint-N/, an accelerate save_state folder, an "
-                                            "engine.save_checkpoint folder; a Trainer's output folder (its last "
-                                            "checkpoint-N/ is converted); or a DeepSpeed-Chat output folder with "
-                                            "pytorch_model.bin (or a sharded .bin index) and config.json, or a step-3 "
-                                            "folder holding actor/, critic/, actor_ema/ (converted in place)."),
-    strategy: Strategy = typer.Option(
-        Strategy.clone, help=f"clone: a tied alias is written as its own copy, restored when the .bin lacks it "
-        f"({BUNDLED_TENSORS} tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out "
-        f"({BUNDLED_TENSORS - 1})."
-    ),
-    remove_bin: bool = typer.Option(False, "--remove-bin", help="Remove the .bin files once the safetensors are in place."),
-    load: bool = typer.Option(True, help="Also load the written folder (from_pretrained; a critic into its module)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="DeepSpeed checkpoint: the model folder whose config.json, "
-                                          "generation config and tokenizer go with the weights (default: the "
-                                          "checkpoint's own folder when it holds config.json, as the Trainer's "
-                                          "checkpoint-N does; accelerate's save_state and engine.save_checkpoint "
-                                          "need it)."),
-    output: Optional[Path] = typer.Option(None, "--output", help="DeepSpeed checkpoint: the folder to write (new or empty)."),
-    tag: Optional[str] = typer.Option(None, "--tag", help="DeepSpeed checkpoint: the step folder to read (default: "
-                                      "latest's); in a Trainer's output folder, the checkpoint-N to convert "
-                                      "(default: the last)."),
-    dtype: OutDType = typer.Option(OutDType.auto, help="DeepSpeed checkpoint: the weights' dtype (auto: config.json's)."),
-    lora_scaling: Optional[float] = typer.Option(None, "--lora-scaling", help="Engine checkpoint of a DeepSpeed-Chat LoRA "
-                                                 "run: the lora_scaling its layers were built with (default: step 1's 1)."),
-    keep_lora: bool = typer.Option(False, "--keep-lora", help="Engine checkpoint of a LoRA run: also write the unfused "
-                                   "factors to lora.safetensors beside the fused model."),
-    as_json: bool = JSON_OPT,
+    folder: Annotated[Path, typer.Argument(
+        help="A DeepSpeed checkpoint (latest + global_stepN/, or global_stepN/): a Trainer's checkpoint-N/, an "
+        "accelerate save_state folder, an engine.save_checkpoint folder; a Trainer's output folder (its last "
+        "checkpoint-N/ is converted); or a DeepSpeed-Chat output folder with pytorch_model.bin (or a sharded .bin "
+        "index) and config.json, or a step-3 folder holding actor/, critic/, actor_ema/ (converted in place).")],
+    strategy: Annotated[Strategy, typer.Option(
+        help=f"clone: a tied alias is written as its own copy, restored when the .bin lacks it ({BUNDLED_TENSORS} "
+        f"tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out ({BUNDLED_TENSORS - 1}).")
+    ] = Strategy.clone,
+    remove_bin: Annotated[bool, typer.Option("--remove-bin", help="Remove the .bin files once the safetensors are in "
+                                                                  "place.")] = False,
+    load: Annotated[bool, typer.Option(help="Also load the written folder (from_pretrained; a critic into its "
+                                            "module).")] = True,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", help="DeepSpeed checkpoint: the model folder whose config.json, generation config and tokenizer "
+        "go with the weights (default: the checkpoint's own folder when it holds config.json, as the Trainer's "
+        "checkpoint-N does; accelerate's save_state and engine.save_checkpoint need it).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", help="DeepSpeed checkpoint: the folder to write (new or "
+                                                                    "empty).")] = None,
+    tag: Annotated[Optional[str], typer.Option(
+        "--tag", help="DeepSpeed checkpoint: the step folder to read (default: latest's); in a Trainer's output "
+        "folder, the checkpoint-N to convert (default: the last).")] = None,
+    dtype: Annotated[OutDType, typer.Option(help="DeepSpeed checkpoint: the weights' dtype (auto: "
+                                                 "config.json's).")] = OutDType.auto,
+    lora_scaling: Annotated[Optional[float], typer.Option(
+        "--lora-scaling", help="Engine checkpoint of a DeepSpeed-Chat LoRA run: the lora_scaling its layers were built "
+        "with (default: step 1's 1).")] = None,
+    keep_lora: Annotated[bool, typer.Option(
+        "--keep-lora", help="Engine checkpoint of a LoRA run: also write the unfused factors to lora.safetensors "
+        "beside the fused model.")] = False,
+    as_json: Json = False,
 ):
     from patcher.prereq import require
 
@@ -264,27 +254,30 @@ def convert(
                   "check failed, 2: error.")
 @command
 def smoke(
-    repo: Path = REPO_ARG,
-    device: Device = typer.Option(Device.auto, help="auto: CUDA when available."),
-    dtype: DType = typer.Option(DType.bf16, help="The dtype the model is built, trained and saved in."),
-    zero_stage: int = typer.Option(0, "--zero-stage", min=0, max=3, help="0: no DeepSpeed engine; 1-3 wrap the "
-                                   "model in a DeepSpeed ZeRO engine of that stage (needs DeepSpeed)."),
-    nproc: int = typer.Option(1, min=1, help="Ranks to start (through torch's launcher; 2 or more need DeepSpeed)."),
-    expect: Optional[int] = typer.Option(None, help=f"Tensors expected (default: {BUNDLED_TENSORS} for the bundled "
-                                                    "Qwen3-0.6B config; none with --model or --config)."),
-    keep: Optional[Path] = typer.Option(None, help="Keep the saved folder here (a new or empty folder; removed again "
-                                                   "if smoke made it and is interrupted)."),
-    model: Optional[Path] = typer.Option(None, help="A model folder with real weights instead of the bundled config."),
-    config: Optional[Path] = typer.Option(None, help="A config.json to build a random model from."),
-    as_json: bool = JSON_OPT,
+    repo: Repo = Path("."),
+    device: Annotated[Device, typer.Option(help="auto: CUDA when available.")] = Device.auto,
+    dtype: Annotated[DType, typer.Option(help="The dtype the model is built, trained and saved in.")] = DType.bf16,
+    zero_stage: Annotated[int, typer.Option(
+        "--zero-stage", min=0, max=3, help="0: no DeepSpeed engine; 1-3 wrap the model in a DeepSpeed ZeRO engine of "
+        "that stage (needs DeepSpeed).")] = 0,
+    nproc: Annotated[int, typer.Option(min=1, help="Ranks to start (through torch's launcher; 2 or more need "
+                                                   "DeepSpeed).")] = 1,
+    expect: Annotated[Optional[int], typer.Option(help=f"Tensors expected (default: {BUNDLED_TENSORS} for the bundled "
+                                                       "Qwen3-0.6B config; none with --model or --config).")] = None,
+    keep: Annotated[Optional[Path], typer.Option(help="Keep the saved folder here (a new or empty folder; removed "
+                                                      "again if smoke made it and is interrupted).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="A model folder with real weights instead of the bundled "
+                                                       "config.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="A config.json to build a random model from.")] = None,
+    as_json: Json = False,
 ):
     from patcher.prereq import require
 
     refuse_file(repo)
     need_ds = f"--zero-stage {zero_stage}" if zero_stage > 0 else (f"--nproc {nproc}" if nproc > 1 else None)
     require("smoke", deepspeed=need_ds, cuda=device is Device.cuda)  # before anything expensive
-    from patcher.patch.locate import find_checkout
     from patcher.checkpoint.smoke import run_smoke  # the input is checked before torch is imported
+    from patcher.patch.locate import find_checkout
 
     if expect is None and model is None and config is None:
         expect = BUNDLED_TENSORS  # the bundled Qwen3-0.6B config
@@ -296,9 +289,10 @@ def smoke(
                   "1: one failed, 2: error (a missing requirement, say).")
 @command
 def demo(
-    device: Device = typer.Option(Device.auto, help="Device for the smoke save."),
-    keep: Optional[Path] = typer.Option(None, help="Keep the demo checkout here instead of a temporary folder."),
-    as_json: bool = JSON_OPT,
+    device: Annotated[Device, typer.Option(help="Device for the smoke save.")] = Device.auto,
+    keep: Annotated[Optional[Path], typer.Option(help="Keep the demo checkout here instead of a temporary "
+                                                      "folder.")] = None,
+    as_json: Json = False,
 ):
     from patcher.prereq import require
 

@@ -109,9 +109,10 @@ def command(fn: Callable) -> Callable:
         except (typer.Exit, SystemExit):
             raise
         except BaseException as e:  # DsfixError, KeyboardInterrupt, and the unexpected
+            cause: BaseException = e
             if _Run.interrupted_at is not None:  # whatever it became on the way, it began as Ctrl-C
-                e = KeyboardInterrupt()
-            raise typer.Exit(fail(e, ctx.info_name, bool(kwargs.get("as_json")), bool(ctx.meta.get(DEBUG)),
+                cause = KeyboardInterrupt()
+            raise typer.Exit(fail(cause, ctx.info_name, bool(kwargs.get("as_json")), bool(ctx.meta.get(DEBUG)),
                                   kwargs)) from None
         raise typer.Exit(result.exit_code)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Sequence, TypeVar
 
 from patcher.errors import ERROR, INTERRUPTED, OK, PENDING
 
@@ -28,7 +29,9 @@ class Status(str, enum.Enum):
     """A result's status and the exit code it ends in. A subclass lists ``NAME = ("text", exit code)``;
     the text is the member's value (what the JSON says)."""
 
-    def __new__(cls, text: str, exit_code: int):
+    exit_code: int  # each member's, from its ("text", exit code)
+
+    def __new__(cls, text: str, exit_code: int) -> Status:
         member = str.__new__(cls, text)
         member._value_ = text
         member.exit_code = exit_code
@@ -51,50 +54,88 @@ def dumps(data: dict) -> str:
     return json.dumps(data, indent=2, default=_plain)
 
 
-def _plain(value):
+def _plain(value: object) -> object:
     if isinstance(value, enum.Enum):
         return value.value
     return str(value)
 
 
 class Result:
-    """The result protocol. A subclass provides ``verb``, ``status`` (a :class:`Status`; or it overrides
-    ``exit_code`` itself, as the patch verbs' Outcome does, whose code comes from its files), ``message``
-    and ``warnings`` (as fields or properties), and its own keys in ``body()``."""
+    """The result protocol. A subclass provides ``verb``, ``status`` (a :class:`Status`; or None where it
+    overrides ``exit_code`` itself, as the patch verbs' Outcome does, whose code comes from its files),
+    ``message`` and ``warnings`` (as fields, class attributes or properties), and its own keys in ``body()``."""
 
-    warnings = ()
+    # What a subclass provides, declared for the type checker alone: a read-only property here stands for a
+    # dataclass field, a class attribute or a property there. A value here would become the default of a
+    # subclass's dataclass field of the same name (EngineResult's ``status``, Outcome's ``verb`` have none).
+    if TYPE_CHECKING:
+        @property
+        def verb(self) -> str | None: ...  # "check", "verify", ...; None: an error came before the command
+
+        @property
+        def status(self) -> Status | None: ...
+
+        @property
+        def message(self) -> str: ...
+
+        @property
+        def warnings(self) -> Sequence[str]: ...
 
     @property
     def exit_code(self) -> int:
+        """The status's exit code; a result without a status gives its own."""
+        if self.status is None:
+            raise NotImplementedError(f"{type(self).__name__} has no status: its exit_code is its own")
         return self.status.exit_code
 
     def body(self) -> dict:
         return {}
 
     def to_dict(self) -> dict:
-        head = {"verb": self.verb, "exit_code": self.exit_code, "message": self.message,
-                "warnings": list(self.warnings)}
-        status = getattr(self, "status", None)
-        if isinstance(status, Status):
-            head["status"] = status.value
+        head: dict[str, Any] = {"verb": self.verb, "exit_code": self.exit_code, "message": self.message,
+                                "warnings": list(self.warnings)}
+        if self.status is not None:
+            head["status"] = self.status.value
         return {**head, **{k: v for k, v in self.body().items() if k not in head}}
 
     def to_json(self) -> str:
         return dumps(self.to_dict())
 
 
-class Checks:
+class NamedCheck(Protocol):
+    """One check in a report (the torch side's ``checks.Check``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def detail(self) -> str: ...
+
+
+C = TypeVar("C", bound=NamedCheck)
+
+
+class Checks(Generic[C]):
     """What the reports of verify, smoke and convert share: a tuple of named checks (each with ``name``,
-    ``ok`` and ``detail``), looked up by name, and their JSON (``to_dict`` is the report's own)."""
+    ``ok`` and ``detail``; ``Checks[Check]`` names their type), looked up by name, and their JSON (``to_dict``
+    is the report's own)."""
 
-    checks: tuple
+    checks: tuple[C, ...]  # a field of each report (declared only: a dataclass field keeps no default)
 
-    def check(self, name: str):
+    def check(self, name: str) -> C | None:
+        """The check of that name; None when the report has none (it never got that far)."""
         return next((c for c in self.checks if c.name == name), None)
 
     @property
-    def failed(self) -> tuple:
+    def failed(self) -> tuple[C, ...]:
         return tuple(c for c in self.checks if not c.ok)
+
+    def to_dict(self) -> dict:
+        """The report's JSON keys (a :class:`Result`'s is Result's own)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no to_dict")
 
     def to_json(self) -> str:
         return dumps(self.to_dict())
@@ -115,6 +156,7 @@ class ErrorResult(Result):
     kind: str = "error"  # "error", "usage", "interrupted", "internal"
     warnings: tuple = ()
     detail: tuple = ()  # the full story behind the one line (every import line considered, say)
+    status = None  # no status: the exit code is the error's own (not a field)
 
     @classmethod
     def interrupted(cls, verb: str | None, text: str) -> "ErrorResult":

@@ -26,12 +26,11 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "fixtures", "step1_trainer"))
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
-from tiny_qwen3 import tiny_qwen3_model, tiny_qwen3_tokenizer  # noqa: E402
-
 from faultkit import Faults  # noqa: E402
 from patcher.checkpoint.smoke.ranks import skip_shm_allreduce  # noqa: E402
 from patcher.templates import dsfix_safetensors as M  # noqa: E402
 from savesweep import Sweep, _generic, previous_save  # noqa: E402
+from tiny_qwen3 import tiny_qwen3_model, tiny_qwen3_tokenizer  # noqa: E402
 
 LAYERS, SHARD = 2, 150_000
 
@@ -91,7 +90,10 @@ def main():
     tokenizer = tiny_qwen3_tokenizer()
     state = gathered_state(engine)
     outcomes, problems, summary = [], [], {}
-    op = lambda out: save(engine, tokenizer, rank, out)  # noqa: E731
+
+    def op(out):
+        return save(engine, tokenizer, rank, out)
+
     if rank == 0:
         previous = tiny_qwen3_model(seed=5, num_hidden_layers=LAYERS)
         sweep = Sweep(os.path.join(args.work, "sweep"), op, lambda f: previous_save(f, previous, tokenizer), state)

@@ -31,10 +31,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "fixtures", "step1_trainer"))
 sys.path.insert(0, REPO)
-from tiny_qwen3 import tiny_qwen3_model, tiny_qwen3_tokenizer  # noqa: E402
-
 from patcher.checkpoint.smoke.ranks import skip_shm_allreduce  # noqa: E402
 from patcher.templates import dsfix_safetensors as M  # noqa: E402
+from tiny_qwen3 import tiny_qwen3_model, tiny_qwen3_tokenizer  # noqa: E402
 
 
 def say(line):

@@ -27,6 +27,7 @@ def test_quick_run_prints_the_table_and_converts(tmp_path):
         assert ratio in proc.stdout
     results = json.loads(json_path.read_text())["results"]
     tensors = {key: [r.get("tensors") for r in runs] for key, runs in results.items()}
-    assert tensors == {"convert": [311], "convert_noload": [311], "convert_dedupe": [310], "plain": [311], "copy": [None]}
+    assert tensors == {"convert": [311], "convert_noload": [311], "convert_dedupe": [310], "plain": [311],
+                       "copy": [None]}
     assert all(r["returncode"] == 0 for runs in results.values() for r in runs)
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # the benchmark cleans up after itself

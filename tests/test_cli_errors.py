@@ -83,7 +83,8 @@ ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capi
      f"dsfix: error: UNPATCHED: {UTILS} defines no save_hf_format_safetensors: this checkout was never patched: "
      "run `dsfix apply` first"),
     ("smoke: utils.py does not parse", ["smoke", "BROKEN"], 2, "dsfix: error: PARSE_ERROR"),
-    ("smoke: --model is missing", ["smoke", "PATCHED", "--model", "MISSING"], 2, "dsfix: error: MISSING: no such folder"),
+    ("smoke: --model is missing", ["smoke", "PATCHED", "--model", "MISSING"], 2,
+     "dsfix: error: MISSING: no such folder"),
     ("smoke: --model is a file", ["smoke", "PATCHED", "--model", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
     ("smoke: --model without config.json", ["smoke", "PATCHED", "--model", "EMPTY"], 2,
      "dsfix: error: EMPTY: not a model folder (no config.json)"),

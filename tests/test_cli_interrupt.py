@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from patchkit import CLEAN_ENV, FIXTURES, REPO, copy_fixture, run, snapshot
 from patcher.errors import AS_THEY_WERE, NOTHING_WRITTEN, ON_INTERRUPT
 from patcher.report import ErrorResult
+from patchkit import CLEAN_ENV, FIXTURES, REPO, copy_fixture, run, snapshot
 
 pytestmark = pytest.mark.slow  # real processes: about a second each, smoke and convert a few more
 

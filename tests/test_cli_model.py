@@ -9,9 +9,8 @@ import shutil
 
 import pytest
 
-from smokekit import NARROW, narrow_model
 from patchkit import REPO, cli, copy_fixture, run
-
+from smokekit import NARROW, narrow_model
 
 pytestmark = pytest.mark.slow  # torch models through the CLI, and the demo
 
@@ -46,7 +45,8 @@ def test_verify_exit_codes(saved, tmp_path):
 def test_smoke_exit_codes(tmp_path):
     patched = copy_fixture("package", tmp_path)
     assert cli("apply", patched)[0] == 0
-    p = run("smoke", patched, "--device", "cpu", "--dtype", "fp32", "--config", NARROW, "--expect", "311", "--json", timeout=600)
+    p = run("smoke", patched, "--device", "cpu", "--dtype", "fp32", "--config", NARROW, "--expect", "311", "--json",
+            timeout=600)
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     report = json.loads(p.stdout)
     assert report["ok"] and report["tensors"] == 311

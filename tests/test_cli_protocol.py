@@ -10,21 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import CLEAN_ENV, REPO, cli, copy_fixture, run, snapshot
-from patcher.checkpoint.convert import ConvertReport, ConvertStatus, FolderResult
-from patcher.checkpoint.convert import CheckpointResult
-from patcher.checkpoint.smoke import SmokeReport
 from patcher.checkpoint.check.headers import Check
 from patcher.checkpoint.check.verify import VerifyReport
+from patcher.checkpoint.convert import CheckpointResult, ConvertReport, ConvertStatus, FolderResult
+from patcher.checkpoint.smoke import SmokeReport
 from patcher.checkpoint.verify import VerifyResult
-from patcher.patch.flow import stat_text
 from patcher.demo import STEPS, DemoResult, DemoRow
 from patcher.errors import ERROR, INTERRUPTED, LOCKED, OK, PENDING
-from patcher.patch.flow import FileReport, Outcome
+from patcher.patch.flow import FileReport, Outcome, stat_text
 from patcher.patch.plan import Status
 from patcher.prereq import no_gpu_driver
 from patcher.report import COMMON_KEYS, ErrorResult, Verdict
 from patcher.report import Status as ResultStatus
+from patchkit import CLEAN_ENV, REPO, cli, copy_fixture, run, snapshot
 
 # ----------------------------------------------------------------------------- the protocol, one row a case
 
@@ -67,8 +65,9 @@ RESULTS = [  # (id, result, exit code)
     ("convert converted", _convert(ConvertStatus.CONVERTED, ConvertStatus.NOTHING), OK),
     ("convert nothing", _convert(ConvertStatus.NOTHING), OK),
     ("convert failed", _convert(ConvertStatus.NOT_WRITTEN, ConvertStatus.FAILED), PENDING),
-    ("convert engine checkpoint", CheckpointResult("/ckpt", "/out", ConvertStatus.CONVERTED, True, (Check("keys", True, "d"),),
-                                               tag="global_step1", stage=3, world=2, tensors=311), OK),
+    ("convert engine checkpoint", CheckpointResult("/ckpt", "/out", ConvertStatus.CONVERTED, True,
+                                                   (Check("keys", True, "d"),), tag="global_step1", stage=3, world=2,
+                                                   tensors=311), OK),
     ("convert engine checkpoint failed", CheckpointResult("/ckpt", "/out", ConvertStatus.FAILED, False,
                                                       (Check("vocab", False, "d"),)), PENDING),
     ("demo passed", _demo(True, True, True, True), OK),

@@ -109,7 +109,8 @@ def test_large_tensors_are_read_a_block_of_rows_at_a_time(tmp_path, monkeypatch)
     reads = []
     original = values.difference
     monkeypatch.setattr(values, "BLOCK_BYTES", 8 * 32 * 8)  # 8 rows of float64 a block
-    monkeypatch.setattr(values, "difference", lambda a, b, atol, rtol: reads.append(a.shape[0]) or original(a, b, atol, rtol))
+    monkeypatch.setattr(values, "difference",
+                        lambda a, b, atol, rtol: reads.append(a.shape[0]) or original(a, b, atol, rtol))
     report = compare.compare_folders(_folder(tmp_path / "out", {"w": changed}), ref)
     assert not report.ok and reads == [8] * 8
     assert report.rows[0].max_diff == 0.5
@@ -134,7 +135,8 @@ def test_step3_folders_pair_by_name_and_expect_is_refused(tmp_path):
         for name in ("actor", "critic"):
             _folder(tmp_path / side / name, _base())
     result = compare_path(tmp_path / "out", tmp_path / "ref")
-    assert result.exit_code == 0 and [r.path for r in result.reports] == [str(tmp_path / "out" / n) for n in ("actor", "critic")]
+    assert result.exit_code == 0
+    assert [r.path for r in result.reports] == [str(tmp_path / "out" / n) for n in ("actor", "critic")]
     (tmp_path / "ref" / "critic").rename(tmp_path / "ref" / "actor_ema")
     with pytest.raises(DsfixError, match="holds actor, critic but --against holds actor, actor_ema"):
         compare_path(tmp_path / "out", tmp_path / "ref")

@@ -32,11 +32,11 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from smokekit import NARROW, narrow_model, same_attention  # noqa: E402
-from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
+from patcher.checkpoint.check.verify import verify_folder  # noqa: E402
 from patcher.checkpoint.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patcher.checkpoint.check.verify import verify_folder  # noqa: E402
+from patchkit import CLEAN_ENV, cli, run, snapshot  # noqa: E402
+from smokekit import NARROW, narrow_model, same_attention  # noqa: E402
 
 PROBE = torch.tensor([[5, 17, 3, 99, 250, 7, 42, 1, 300]])
 
@@ -90,7 +90,8 @@ def save_zero3_like(module, out):
 
 def safetensors_state(folder):
     index = folder / "model.safetensors.index.json"
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    names = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     state = {}
     for name in names:
         state.update(load_file(str(folder / name)))
@@ -135,7 +136,8 @@ def test_step1_save_converts_to_311_tensors_that_reload_with_equal_logits(tmp_pa
     assert result["written"] == ["model.safetensors"] and result["restored"] == [] and result["removed"] == []
     assert {c["name"] for c in result["checks"]} >= {"source", "keys", "shapes", "tied", "load", "equal"}
     assert (folder / "pytorch_model.bin").read_bytes() == before  # kept, untouched
-    assert oct((folder / "model.safetensors").stat().st_mode & 0o777) == oct((folder / "pytorch_model.bin").stat().st_mode & 0o777)
+    mode = oct((folder / "pytorch_model.bin").stat().st_mode & 0o777)
+    assert oct((folder / "model.safetensors").stat().st_mode & 0o777) == mode
     assert not staging_left(tmp_path)
 
     state = safetensors_state(folder)

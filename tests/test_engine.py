@@ -70,8 +70,8 @@ def _rebuild(pieces, parts, sizes):
     out = {name: torch.full((numel,), float("nan")) for name, numel in sizes.items()}
     seen = {name: 0 for name in sizes}
     for p in pieces:
-        out[p.name][p.dst:p.dst + p.count] = parts[p.rank][p.group][p.src:p.src + p.count]
-        seen[p.name] += p.count
+        out[p.name][p.dst:p.dst + p.length] = parts[p.rank][p.group][p.src:p.src + p.length]
+        seen[p.name] += p.length
     return out, seen
 
 
@@ -216,15 +216,18 @@ def _fake_step(folder, stage3=True, ranks=(0, 1), prefix="bf16_"):
     (lambda root: (_fake_step(root / "global_step3"), (root / "latest").write_text("global_step9")), None,
      "latest names 'global_step9', which is not a folder here"),
     (lambda root: _fake_step(root / "global_step3"), "global_step4", "no folder global_step4 here"),
-    (lambda root: _fake_step(root, ranks=(0, 2)), None, "rank 1's file bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt is missing"),
+    (lambda root: _fake_step(root, ranks=(0, 2)), None,
+     "rank 1's file bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt is missing"),
     (lambda root: (_fake_step(root, ranks=(0, 1)), (root / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()),
      None, "rank 1's file zero_pp_rank_1_mp_rank_00_model_states.pt is missing"),
     (lambda root: (root.mkdir(), (root / "mp_rank_00_model_states.pt").touch()), None, "no *_optim_states.pt"),
     # ds_to_universal's output: latest_universal beside it names it; latest (the engine's own) comes first
-    (lambda root: (_fake_universal(root / "global_step3_universal"), (root / "latest_universal").write_text("global_step3_universal")),
+    (lambda root: (_fake_universal(root / "global_step3_universal"),
+                   (root / "latest_universal").write_text("global_step3_universal")),
      None, "global_step3_universal"),
     (lambda root: (_fake_step(root / "global_step3"), _fake_universal(root / "global_step3_universal"),
-                   (root / "latest").write_text("global_step3"), (root / "latest_universal").write_text("global_step3_universal")),
+                   (root / "latest").write_text("global_step3"),
+                   (root / "latest_universal").write_text("global_step3_universal")),
      None, "global_step3"),
     (lambda root: (_fake_step(root / "global_step3"), _fake_universal(root / "global_step3_universal"),
                    (root / "latest").write_text("global_step3")), "global_step3_universal", "global_step3_universal"),
@@ -246,7 +249,8 @@ def test_find_source(tmp_path, setup, tag, expect):
     if expect.startswith(("global_step", "root")):
         folder, reader, (model_files, optim_files, _) = files()
         assert folder.name == expect and len(optim_files or model_files) in (1, 2)
-        assert (reader.kind == "universal") == expect.endswith("_universal") or (expect == "root" and reader.kind == "universal")
+        universal = reader.kind == "universal"
+        assert universal == expect.endswith("_universal") or (expect == "root" and universal)
     else:
         with pytest.raises(DsfixError) as info:
             files()
@@ -277,7 +281,8 @@ def test_a_bin_folder_is_not_an_engine_checkpoint(tmp_path):
 # DeepSpeed MoE, pipeline parallelism (a PipelineModule, not a Hugging Face model) or universal files merged
 # from tensor-parallel slices of such runs.
 
-NARROW_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "models", "qwen3-narrow")
+NARROW_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "models",
+                             "qwen3-narrow")
 
 
 def _tiny_zero2(folder, meta=None, tweak=None, files=()):
@@ -317,14 +322,19 @@ REFUSALS = [  # (model_states set, optimizer states changed, files added, the wo
     ({}, None, ("mp_rank_01_model_states.pt",), "tensor-parallel files (mp_rank_01_model_states.pt"),
     ({}, None, ("bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",), "model-parallel rank 1"),
     ({"mp_world_size": 2}, None, (), "tensor parallelism (mp_world_size 2)"),
-    ({"checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2}}, None, (), "tensor parallelism (tp_degree 2)"),
-    ({"ds_config": {"tensor_parallel": {"autotp_size": 2}}}, None, (), "AutoTP tensor parallelism (tensor_parallel autotp_size=2"),
-    ({"ds_autoep_layers": [{"expert_key_prefix": "model.layers.0.mlp.experts", "num_experts": 4, "ep_size": 2}]}, None, (),
-     "AutoEP expert parallelism (ds_autoep_layers recorded)"),
-    ({"ds_config": {"expert_parallel": {"enabled": True, "autoep_size": 2}}}, None, (), "AutoEP expert parallelism (expert_parallel"),
-    ({}, None, ("expp_rank_0_mp_rank_00_optim_states.pt",), "expert-parallel files (expp_rank_0_mp_rank_00_optim_states.pt"),
+    ({"checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2}}, None, (),
+     "tensor parallelism (tp_degree 2)"),
+    ({"ds_config": {"tensor_parallel": {"autotp_size": 2}}}, None, (),
+     "AutoTP tensor parallelism (tensor_parallel autotp_size=2"),
+    ({"ds_autoep_layers": [{"expert_key_prefix": "model.layers.0.mlp.experts", "num_experts": 4, "ep_size": 2}]},
+     None, (), "AutoEP expert parallelism (ds_autoep_layers recorded)"),
+    ({"ds_config": {"expert_parallel": {"enabled": True, "autoep_size": 2}}}, None, (),
+     "AutoEP expert parallelism (expert_parallel"),
+    ({}, None, ("expp_rank_0_mp_rank_00_optim_states.pt",),
+     "expert-parallel files (expp_rank_0_mp_rank_00_optim_states.pt"),
     ({}, None, ("layer_0_expert_3_mp_rank_00_model_states.pt",), "expert-parallel files (layer_0_expert_3"),
-    ({"checkpoint_parallel_dimensions": {"pp_degree": 2, "tp_degree": 1}}, None, (), "pipeline parallelism (pp_degree 2)"),
+    ({"checkpoint_parallel_dimensions": {"pp_degree": 2, "tp_degree": 1}}, None, (),
+     "pipeline parallelism (pp_degree 2)"),
     ({}, None, ("layer_01-model_00-model_states.pt",), "pipeline-parallel layer files"),
     ({"ds_config": {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}}}, None, (), "a Muon optimizer"),
     ({}, lambda o: _state(o).update(momentum_buffer=torch.zeros(6)), (), "optimizer states momentum_buffer"),
@@ -377,7 +387,8 @@ def test_universal_parameter_files_that_are_not_plain_data_parallel_are_refused(
 
 
 def test_universal_reads_each_parameter_file_in_its_shape(tmp_path):
-    folder = _tiny_universal(tmp_path / "global_step1_universal", {"param": torch.arange(8.0).reshape(4, 2), "cat_dim": 0})
+    folder = _tiny_universal(tmp_path / "global_step1_universal",
+                             {"param": torch.arange(8.0).reshape(4, 2), "cat_dim": 0})
     (folder / "zero" / "b").mkdir()
     torch.save(torch.arange(4.0) + 100, folder / "zero" / "b" / "fp32.pt")  # ZeRO-3's form: the bare flat tensor
     reader = open_step(folder)
@@ -435,8 +446,8 @@ def test_fuser_fuses_what_it_was_handed_and_refuses_what_it_lacks(tmp_path, drop
     out = {}
     fuser = lora.Fuser(modules, {n: math.prod(s) for n, s in shapes.items()}, torch.bfloat16, 2.0,
                        lambda n, dst, data: out.setdefault(n, []).append((dst, data.clone())), tmp_path / "scratch")
-    pieces = [("l.lora_left_weight", left.reshape(-1), 7), ("n.weight", torch.ones(6), 6), ("l.weight", weight.reshape(-1), 10),
-              ("l.lora_right_weight", right.reshape(-1), 3)]
+    pieces = [("l.lora_left_weight", left.reshape(-1), 7), ("n.weight", torch.ones(6), 6),
+              ("l.weight", weight.reshape(-1), 10), ("l.lora_right_weight", right.reshape(-1), 3)]
     for name, flat, cut in pieces:
         if name != drop:
             fuser.put(name, cut, flat[cut:])
@@ -506,11 +517,13 @@ def universal_checkpoints(engine_checkpoints, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}
     env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     runs = [["--input_folder", str(ckpt / f"zero{s}" / "global_step1"), "--output_folder",
-             str(base / f"zero{s}" / "global_step1_universal"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+             str(base / f"zero{s}" / "global_step1_universal"),
+             "--num_extract_workers", "1", "--num_merge_workers", "1"]
             for s in (2, 3)]
     # `python -m deepspeed.checkpoint.ds_to_universal ARGS` twice, in one process: DeepSpeed imported once
     script = ("import runpy, sys\nfor argv in %r:\n    sys.argv = ['ds_to_universal'] + argv\n"
-              "    runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__', alter_sys=True)\n" % runs)
+              "    runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__', alter_sys=True)\n"
+              % runs)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return base
@@ -537,7 +550,8 @@ def tiny_lora_helper():
     """fixtures/step1_trainer/tiny_lora.py: a LoRA layer shaped like DeepSpeed-Chat's, written for these tests."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "step1_trainer", "tiny_lora.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "step1_trainer",
+                        "tiny_lora.py")
     spec = importlib.util.spec_from_file_location("dsfix_fixture_tiny_lora", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -668,7 +682,8 @@ def test_lora_scaling_is_refused_without_lora_and_changes_the_fusion(engine_chec
     result = convert(ckpt / "lora2", config=model_dir, output=tmp_path / "b", lora_scaling=3.0, load=False)
     saved, written = _read(ckpt / "lora2" / "hf"), _read(tmp_path / "b")
     assert result.ok and result.lora["lora_scaling"] == 3.0
-    assert not torch.equal(written["model.layers.0.self_attn.q_proj.weight"], saved["model.layers.0.self_attn.q_proj.weight"])
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(written[q_proj], saved[q_proj])
     assert not (tmp_path / "a").exists()
 
 
@@ -807,7 +822,8 @@ def test_cli_converts_with_json_and_refuses_a_tampered_checkpoint(engine_checkpo
     from patchkit import cli
 
     code, out, _ = cli("verify", tmp_path / "lora", "--against", ckpt / "lora2" / "hf", "--json")
-    assert code == 0 and json.loads(out)["message"] == f"matches {ckpt / 'lora2' / 'hf'}: 311 tensors compared, 311 bit-equal"
+    assert code == 0
+    assert json.loads(out)["message"] == f"matches {ckpt / 'lora2' / 'hf'}: 311 tensors compared, 311 bit-equal"
     code, out, _ = cli("verify", tmp_path / "out", "--against", ckpt / "lora2" / "hf", "--json")  # dedupe, another run
     report = json.loads(out)
     assert code == 1 and report["message"].startswith(f"differs from {ckpt / 'lora2' / 'hf'}: values: ")
@@ -823,7 +839,8 @@ def test_benchmark_runs_on_a_checkpoint_and_prints_the_ratios(engine_checkpoints
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}
     proc = subprocess.run([sys.executable, script, "--checkpoint", str(ckpt / "zero3"), "--model", str(model_dir),
                            "--methods", "z2f_safe,z2f_bf16,dsfix_bf16", "--rounds", "1", "--tmpdir", str(tmp_path),
-                           "--json", str(tmp_path / "bench.json")], capture_output=True, text=True, env=env, timeout=900)
+                           "--json", str(tmp_path / "bench.json")],
+                          capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "| method | dtype | wall s | range s | CPU s | tensors |" in proc.stdout
     assert "dsfix convert --dtype bf16 / zero_to_fp32 .bin bf16 (dtype=bfloat16): time" in proc.stdout

@@ -323,8 +323,9 @@ def test_every_use_of_the_save_functions_is_rewritten_or_refused(src, expected):
 
 
 def test_a_stored_save_refused_when_dsfix_would_take_keywords_the_fork_passed_on():
-    src = HEAD + ("def save_hf_format(model, tokenizer, args, **kw):\n" + TAIL.replace("output_dir, exist_ok", "args.x, "
-                  "exist_ok").replace("os.path.join(output_dir", "os.path.join(args.x"))
+    src = HEAD + ("def save_hf_format(model, tokenizer, args, **kw):\n"
+                  + TAIL.replace("output_dir, exist_ok", "args.x, exist_ok")
+                        .replace("os.path.join(output_dir", "os.path.join(args.x"))
     defs = signature.find_defs(src.encode(), "utils.py")
     script = f"from {MOD} import save_hf_format\nhelper(save_hf_format)\n".encode()
     with pytest.raises(DsfixError, match="used as a value"):

@@ -208,8 +208,9 @@ def test_zero3_save_without_a_config_save_warns(tmp_path):
     top, cwd, _ = _copy(FIXTURES / "fork-z3-subfolder", tmp_path / "a")
     main = top / "training/step1_supervised_finetuning/main.py"
     text = main.read_text()
-    main.write_text(text.replace('        if args.global_rank == 0:\n            save_hf_format(model, tokenizer, args, '
-                                 'sub_folder=f"epoch_{epoch}")\n', ""))
+    main.write_text(text.replace('        if args.global_rank == 0:\n'
+                                 '            save_hf_format(model, tokenizer, args, sub_folder=f"epoch_{epoch}")\n',
+                                 ""))
     code, _, err = cli("check", ".", cwd=cwd)
     assert code == 1
     assert "main.py:17: this save_zero_three_model call has no save_hf_format call beside it" in err

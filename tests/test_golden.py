@@ -107,7 +107,8 @@ BIN_CASES = [("bin-bf16-tied", "clone"), ("bin-bf16-tied", "dedupe"), ("bin-fp32
 ENGINE_CASES = [  # (source, --dtype, --strategy, max shard bytes or None)
     ("z2-bf16", "auto", "clone", None), ("z2-bf16", "fp32", "dedupe", None), ("z2-fp32", "auto", "clone", None),
     ("z3-bf16", "auto", "clone", None), ("z3-bf16", "bf16", "dedupe", 200_000), ("z3-fp32", "fp32", "clone", None),
-    ("universal-z2", "auto", "clone", None), ("universal-z3", "fp32", "dedupe", None), ("lora-z2", "auto", "clone", None),
+    ("universal-z2", "auto", "clone", None), ("universal-z3", "fp32", "dedupe", None),
+    ("lora-z2", "auto", "clone", None),
 ]
 
 

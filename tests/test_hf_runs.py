@@ -138,8 +138,10 @@ def test_a_trainer_zero3_checkpoint_is_the_engines_own_gathered_model(hf_runs, t
 
 
 def test_an_fp32_trainer_run_is_called_fp32_and_matches_zero_to_fp32_and_its_bin(hf_runs, tmp_path):
-    from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
-                                              get_fp32_state_dict_from_zero_checkpoint)
+    from deepspeed.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+    )
 
     runs, _ = hf_runs
     checkpoint = runs / "trainer_z2_fp32" / "checkpoint-2"

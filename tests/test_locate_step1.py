@@ -84,7 +84,8 @@ REFUSED = [
      ["no training/step1_supervised_finetuning/main.py", "--main training/step1_supervised_finetuning/sft.py"]),
     ("no checkout, two scripts", {"a.py": FROM_PKG, "b.py": FROM_PKG}, None,
      ["no DeepSpeed-Chat checkout here or above", "--main a.py or --main b.py"]),
-    ("no checkout, no script", {"a.py": NO_SAVE}, None, ["no DeepSpeed-Chat checkout", "name the step-1 script with --main"]),
+    ("no checkout, no script", {"a.py": NO_SAVE}, None,
+     ["no DeepSpeed-Chat checkout", "name the step-1 script with --main"]),
     ("--main that is nowhere", {**PKG, f"training/{S1}": FROM_PKG}, "nowhere.py",
      ["--main: no such file in the checkout or the current folder"]),
     ("several folders below", {f"c{i}/training/{S1}": FROM_PKG for i in range(5)} | {
@@ -129,7 +130,8 @@ def test_main_relative_to_the_current_folder_when_not_in_the_checkout(tmp_path, 
 
 
 def test_script_relative_to_the_checkout(tmp_path, monkeypatch):
-    write(tmp_path / "co", {**PKG, f"training/{S1}": FROM_PKG, "training/step1_supervised_finetuning/lora.py": FROM_PKG})
+    write(tmp_path / "co",
+          {**PKG, f"training/{S1}": FROM_PKG, "training/step1_supervised_finetuning/lora.py": FROM_PKG})
     monkeypatch.chdir(tmp_path)
     co = find_checkout("co", scripts=["training/step1_supervised_finetuning/lora.py"])
     assert [co.rel(s) for s in co.scripts] == ["training/step1_supervised_finetuning/lora.py"]

@@ -23,7 +23,7 @@ def _one_line_error(p, code):
     assert p.returncode == code, (p.returncode, p.stderr)
     text = p.stderr.decode()
     assert "Traceback" not in text
-    lines = [l for l in text.splitlines() if l.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dsfix: error: "), text
     return lines[0]
 
@@ -41,7 +41,8 @@ VARIANTS = {
     "no-final-newline": lambda d, rel: d.rstrip(b"\n"),
     "bom": lambda d, rel: b"\xef\xbb\xbf" + d,
     "latin-1": lambda d, rel: b"# -*- coding: latin-1 -*-\n# r\xe9sum\xe9 des \xe9tapes\n" + d,
-    "all-at-once": lambda d, rel: (b"# -*- coding: latin-1 -*-\r\n# \xe9\r\n" + _to_tabs(d).replace(b"\n", b"\r\n")).rstrip(b"\r\n"),
+    "all-at-once": lambda d, rel: (b"# -*- coding: latin-1 -*-\r\n# \xe9\r\n"
+                                   + _to_tabs(d).replace(b"\n", b"\r\n")).rstrip(b"\r\n"),
 }
 
 
@@ -130,7 +131,8 @@ def test_unreadable_target(tmp_path):
     assert MAIN.split("/")[-1] in line and "regular file" in line
 
 
-@pytest.mark.parametrize("args", [["apply", "--strategy", "fast"], ["check", "--step", "7"], ["smoke", "--zero-stage", "5"], ["revert", "--bogus"]])
+@pytest.mark.parametrize("args", [["apply", "--strategy", "fast"], ["check", "--step", "7"],
+                                  ["smoke", "--zero-stage", "5"], ["revert", "--bogus"]])
 def test_bad_option_values(tmp_path, args):
     co = copy_fixture("package", tmp_path)
     _one_line_error(run(*args, co), 2)
@@ -265,7 +267,8 @@ def test_killed_mid_apply_each_file_is_wholly_old_or_new_and_apply_recovers(tmp_
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(KILLER)
-    p = run("apply", co, env={"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "DSFIX_TEST_KILL_AT": kill_at})
+    p = run("apply", co, env={"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                              "DSFIX_TEST_KILL_AT": kill_at})
     assert p.returncode == -9
     for rel in (UTILS, MAIN):
         assert (co / rel).read_bytes() in (original[rel], patched[rel]), rel
@@ -345,7 +348,8 @@ def test_revert_keeps_an_edit_on_a_line_dsfix_changed(tmp_path):
     original = snapshot(co)
     assert cli("apply", co)[0] == 0
     main = (co / MAIN).read_bytes().replace(
-        b"save_hf_format_safetensors(model, tokenizer, args)", b"save_hf_format_safetensors(model, tokenizer, args, sub_folder='final')"
+        b"save_hf_format_safetensors(model, tokenizer, args)",
+        b"save_hf_format_safetensors(model, tokenizer, args, sub_folder='final')"
     )
     (co / MAIN).write_bytes(main)
     p = run("revert", co)
@@ -360,7 +364,8 @@ def test_revert_refuses_when_dsfix_code_was_edited_and_force_keeps_a_copy(tmp_pa
     co = copy_fixture("package", tmp_path)
     original = snapshot(co)
     assert cli("apply", co)[0] == 0
-    edited = (co / UTILS).read_bytes().replace(b'"""save_hf_format, as safetensors', b'"""Mine: save_hf_format, as safetensors')
+    edited = (co / UTILS).read_bytes().replace(b'"""save_hf_format, as safetensors',
+                                               b'"""Mine: save_hf_format, as safetensors')
     (co / UTILS).write_bytes(edited)
     before = snapshot(co)
     p = run("revert", co)
@@ -437,7 +442,8 @@ def test_damaged_state_folder_is_reported(tmp_path):
 def test_patch_path_never_imports_torch(tmp_path):
     co = copy_fixture("package", tmp_path)
     code = (
-        "import sys; from patcher import cli; from patcher.patch import flow; flow.check(sys.argv[1]); flow.apply(sys.argv[1]); "
+        "import sys; from patcher import cli; from patcher.patch import flow; "
+        "flow.check(sys.argv[1]); flow.apply(sys.argv[1]); "
         "flow.revert(sys.argv[1]); "
         "bad = [m for m in ('torch', 'transformers', 'deepspeed', 'safetensors') if m in sys.modules]; "
         "assert not bad, bad"
@@ -454,7 +460,8 @@ MODULE = "dschat/utils/dsfix_safetensors.py"
 def test_a_refused_revert_reports_only_what_it_wrote(tmp_path):
     co = copy_fixture("package", tmp_path)
     assert cli("apply", co)[0] == 0
-    (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b'"""save_hf_format, as', b'"""Mine: save_hf_format, as'))
+    (co / UTILS).write_bytes((co / UTILS).read_bytes().replace(b'"""save_hf_format, as',
+                                                               b'"""Mine: save_hf_format, as'))
     before = snapshot(co)
     p = run("revert", co)
     assert p.returncode == 1 and snapshot(co) == before

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patchkit import FIXTURES, pyflakes_messages
-from patcher.patch import plan as planner
 from patcher.errors import DsfixError
+from patcher.patch import plan as planner
 from patcher.patch.plan import Target
+from patchkit import FIXTURES, pyflakes_messages
 from unitkit import fix, undo
 
 pytestmark = pytest.mark.slow  # hundreds of generated files patched and reverted
@@ -31,7 +31,8 @@ SETTINGS = settings(max_examples=int(200 * SCALE), deadline=None, suppress_healt
 def main_sources(draw):
     indent = draw(st.sampled_from(["    ", "  ", "\t"]))
     nl = draw(st.sampled_from(["\n", "\r\n"]))
-    others = draw(st.lists(st.sampled_from(["print_rank_0", "to_device", "set_random_seed", "load_hf_tokenizer"]), unique=True, max_size=4))
+    others = draw(st.lists(st.sampled_from(["print_rank_0", "to_device", "set_random_seed", "load_hf_tokenizer"]),
+                           unique=True, max_size=4))
     with_z3 = draw(st.booleans())
     style = draw(st.sampled_from(["line", "paren", "paren-trailing", "alias", "module-as", "from-utils", "two-lines"]))
     names = others + ["save_hf_format"] + (["save_zero_three_model"] if with_z3 else [])
@@ -68,7 +69,7 @@ def main_sources(draw):
     body = ["def main(model, tokenizer, args):"]
     if others and not mod_prefix:
         body.append(f"{indent}{others[0]}")
-    for i in range(n_calls):
+    for _ in range(n_calls):
         body.append(f"{indent}if args.global_rank == 0:")
         body.append(f"{indent}{indent}{mod_prefix}{hf}{call_args}")
     if with_z3 or mod_prefix:

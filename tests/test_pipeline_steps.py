@@ -31,7 +31,8 @@ def test_steps_full_cycle_with_the_loader(tmp_path, name):
     assert code == 1, err
     assert f"+++ b/{LOADER[name]}".encode() in diff
     assert b"step2_reward_model_finetuning/main.py" in diff
-    assert "_dsfix_load_checkpoint" in err and "pytorch_model.bin exists" not in err, "the loader is patched: no warning"
+    assert "_dsfix_load_checkpoint" in err and "pytorch_model.bin exists" not in err, \
+        "the loader is patched: no warning"
     git_apply(diff, twin)
     assert cli("apply", co, "--steps", STEPS[name])[0] == 0
     after = snapshot(co)
@@ -77,7 +78,8 @@ def patched(tmp_path):
     sys.path.insert(0, str(co))
     importlib.invalidate_caches()
     try:
-        yield co, importlib.import_module("dschat.utils.utils"), importlib.import_module("dschat.utils.model.model_utils")
+        yield (co, importlib.import_module("dschat.utils.utils"),
+               importlib.import_module("dschat.utils.model.model_utils"))
     finally:
         sys.path.remove(str(co))
         for mod in [m for m in sys.modules if m == "dschat" or m.startswith("dschat.")]:

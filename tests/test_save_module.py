@@ -268,9 +268,10 @@ def test_sharded_output_loads(tmp_path, tiny_qwen3, capsys):
 
 
 def test_the_default_shard_size_keeps_full_qwen3_in_one_file():
+    from transformers import AutoConfig
+
     from patcher.checkpoint.check.model import meta_model
     from smokekit import FULL
-    from transformers import AutoConfig
 
     model = meta_model(AutoConfig.from_pretrained(str(FULL)))
     planned = [M.PlannedTensor(k, torch.bfloat16, tuple(v.shape)) for k, v in model.state_dict().items()]

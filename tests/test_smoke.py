@@ -17,11 +17,10 @@ pytestmark = pytest.mark.slow  # torch models saved and reloaded, ZeRO-3 ranks
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from smokekit import (NARROW, broken_code, make_checkout, narrow_model, patched_checkout,  # noqa: E402
-                      quiet_console)
-from patcher.errors import DsfixError  # noqa: E402
 from patcher.checkpoint.smoke import print_report, run_smoke  # noqa: E402
 from patcher.checkpoint.smoke.worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
+from patcher.errors import DsfixError  # noqa: E402
+from smokekit import NARROW, broken_code, make_checkout, narrow_model, patched_checkout, quiet_console  # noqa: E402
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
@@ -69,7 +68,8 @@ def test_passes_under_zero3_with_two_ranks(good_checkout, tmp_path):
                        keep=tmp_path / "out", console=quiet_console(), timeout=300)
     assert report.ok, report.to_json()
     assert report.backend == "gloo" and report.nproc == 2
-    assert "--master_addr 127.0.0.1 --master_port PORT --nproc_per_node 2 -m patcher.checkpoint.smoke.worker" in report.launcher
+    assert ("--master_addr 127.0.0.1 --master_port PORT --nproc_per_node 2 -m patcher.checkpoint.smoke.worker"
+            in report.launcher)
     save = report.check("save").detail
     assert "310 of 310 parameters partitioned" in save
     assert "save_zero_three_model_safetensors on all 2 ranks" in save

@@ -97,7 +97,8 @@ ARGS = [
      [(None, "", "m"), (None, "", "t"), ("args", "", "a"), ("sub_folder", "", "'x'")]),
     ("save_hf_format(*xs, **kw)", [(None, "*", "xs"), (None, "**", "kw")]),
     ("save_hf_format(m, tokenizer=t, *rest)", [(None, "", "m"), ("tokenizer", "", "t"), (None, "*", "rest")]),
-    ("save_hf_format(model.module,\n    tok, args)", [(None, "", "model.module"), (None, "", "tok"), (None, "", "args")]),
+    ("save_hf_format(model.module,\n    tok, args)",
+     [(None, "", "model.module"), (None, "", "tok"), (None, "", "args")]),
     ("save_hf_format('é', t, a)", [(None, "", "'é'"), (None, "", "t"), (None, "", "a")]),
 ]
 

@@ -41,8 +41,10 @@ KEYS = [
     ("a key missing that is no alias", FULL[::2], Check("keys", False, "1 missing: model.norm.weight")),
     ("both of a tied pair missing", FULL[1:2],
      Check("keys", False, "2 missing: model.embed_tokens.weight, lm_head.weight")),
-    ("an unexpected key", FULL + [("v_head.weight", (1, 4), "BF16")], Check("keys", False, "1 unexpected: v_head.weight")),
-    ("missing and unexpected", FULL[:1] + [("a", (1,), "F32"), ("b", (1,), "F32"), ("c", (1,), "F32"), ("d", (1,), "F32")],
+    ("an unexpected key", FULL + [("v_head.weight", (1, 4), "BF16")],
+     Check("keys", False, "1 unexpected: v_head.weight")),
+    ("missing and unexpected",
+     FULL[:1] + [("a", (1,), "F32"), ("b", (1,), "F32"), ("c", (1,), "F32"), ("d", (1,), "F32")],
      Check("keys", False, "1 missing: model.norm.weight; 4 unexpected: a, b, c (+1 more)")),
 ]
 
@@ -94,7 +96,8 @@ DTYPES = [
      "bfloat16"),
     ("integers are not floating", FULL + [("ids", (3,), "I64"), ("mask", (3,), "BOOL")], None,
      Check("dtype", True, "all floating tensors bfloat16"), "bfloat16"),
-    ("fp8 counts as floating", [("w", (2,), "F8_E4M3")], None, Check("dtype", True, "all floating tensors float8_e4m3fn"),
+    ("fp8 counts as floating", [("w", (2,), "F8_E4M3")], None,
+     Check("dtype", True, "all floating tensors float8_e4m3fn"),
      "float8_e4m3fn"),
     ("no floating tensor", [("ids", (3,), "I64")], None, Check("dtype", True, "no floating tensors"), None),
     ("mixed", FULL + [("model.norm.weight", (4,), "F32")], None,
@@ -139,7 +142,8 @@ WEIGHT_FILES = [
     ("only a pickle", {"pytorch_model.bin": ""},
      "no safetensors weights, only pytorch_model.bin (a pickle save); nothing to verify (`dsfix convert` turns it "
      "into safetensors)"),
-    ("nothing", {"config.json": "{}"}, "no model weights (model.safetensors or model.safetensors.index.json) in this folder"),
+    ("nothing", {"config.json": "{}"},
+     "no model weights (model.safetensors or model.safetensors.index.json) in this folder"),
 ]
 
 
@@ -273,7 +277,8 @@ WRAPPER = """\
 def save_hf_format_safetensors(model, tokenizer, args, sub_folder=""):
     return {name}.save_hf_format(model, tokenizer, args.output_dir, strategy="dedupe")
 """
-INLINE = "\n\n_DSFIX_STRATEGY = 'clone'\n\n\ndef save_hf_format_safetensors(model, tokenizer, args):\n    return _DSFIX_STRATEGY\n"
+INLINE = ("\n\n_DSFIX_STRATEGY = 'clone'\n\n\n"
+          "def save_hf_format_safetensors(model, tokenizer, args):\n    return _DSFIX_STRATEGY\n")
 
 
 @pytest.mark.parametrize("imports, name, module_file, expect", [
@@ -322,7 +327,8 @@ def test_worker_warns_only_when_the_user_can_act(tmp_path, monkeypatch, top, not
 
     for name in ["deepspeed", *(m for m in sys.modules if m.startswith("deepspeed."))]:
         monkeypatch.setitem(sys.modules, name, None)  # as in an environment without DeepSpeed
-    (tmp_path / "dsfix_note_utils.py").write_text(f"{top}\n\n\ndef save_hf_format_safetensors(m, t, a):\n    return 1\n")
+    (tmp_path / "dsfix_note_utils.py").write_text(f"{top}\n\n\n"
+                                                  "def save_hf_format_safetensors(m, t, a):\n    return 1\n")
     funcs, method, detail, got = load_save_functions(tmp_path / "dsfix_note_utils.py", tmp_path, "dsfix_note_utils")
     assert method == "ast" and funcs["save_hf_format_safetensors"](0, 0, 0) == 1
     assert got == note and (got is None or len(got) <= NOTE_LIMIT < 160)

@@ -55,3 +55,15 @@ def test_every_package_of_patcher_is_in_the_wheel():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "patcher").rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
+
+
+def test_the_checks_run_first_in_ci_pinned_and_named_in_contributing():
+    """`.ci/lint` (ruff and mypy) is what CONTRIBUTING gives to run before a commit, and CI's first step: before
+    any environment is made or torch installed. Its own environment's packages are pinned."""
+    steps = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    first_install = min(i for i, line in enumerate(steps) if "envs.sh" in line or "pip install" in line)
+    assert ".ci/lint" in steps[:first_install]
+    assert any(line.startswith(".ci/lint ") for line in (REPO / "CONTRIBUTING.md").read_text().splitlines())
+    pins = [line for line in (REPO / ".ci" / "lint.txt").read_text().splitlines() if line and line[0] != "#"]
+    assert pins and all(re.fullmatch(r"[a-z]+==[0-9.]+", p) for p in pins), pins

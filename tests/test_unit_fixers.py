@@ -29,7 +29,8 @@ RENAMES = [
      "from dschat.utils.utils import print_rank_0, save_hf_format_safetensors, to_device\n"
      "save_hf_format_safetensors(m, t, a)\n"),
     ("parenthesised import with a comment, both saves",
-     "from dschat.utils.utils import (\n    print_rank_0,\n    save_hf_format,  # the save\n    save_zero_three_model,\n)\n"
+     "from dschat.utils.utils import (\n    print_rank_0,\n    save_hf_format,  # the save\n"
+     "    save_zero_three_model,\n)\n"
      "save_hf_format(m, t, a)\nsave_zero_three_model(m, r, d, zero_stage=3)\n",
      "from dschat.utils.utils import (\n    print_rank_0,\n    save_hf_format_safetensors,  # the save\n"
      "    save_zero_three_model_safetensors,\n)\n"
@@ -51,7 +52,8 @@ RENAMES = [
      "from dschat.utils import utils\nutils.save_hf_format_safetensors(m, t, a)\n"),
     ("a call over several lines keeps its layout",
      "from dschat.utils.utils import save_hf_format\nsave_hf_format(\n    m,  # model\n    t, args)\n",
-     "from dschat.utils.utils import save_hf_format_safetensors\nsave_hf_format_safetensors(\n    m,  # model\n    t, args)\n"),
+     "from dschat.utils.utils import save_hf_format_safetensors\n"
+     "save_hf_format_safetensors(\n    m,  # model\n    t, args)\n"),
     ("nested in a loop and an if",
      "from dschat.utils.utils import save_hf_format\nfor i in range(2):\n    if i:\n"
      "        save_hf_format(m, t, a, sub_folder=str(i))\n",
@@ -62,14 +64,16 @@ RENAMES = [
      "from dschat.utils.utils import save_hf_format_safetensors\r\nsave_hf_format_safetensors(m, t, a)\r\n"),
     ("a call in a default value",
      "from dschat.utils.utils import save_hf_format\ndef f(x=save_hf_format(m, t, a)):\n    pass\n",
-     "from dschat.utils.utils import save_hf_format_safetensors\ndef f(x=save_hf_format_safetensors(m, t, a)):\n    pass\n"),
+     "from dschat.utils.utils import save_hf_format_safetensors\n"
+     "def f(x=save_hf_format_safetensors(m, t, a)):\n    pass\n"),
     ("a shadowed name is left alone",
      "from dschat.utils.utils import save_hf_format\ndef g(save_hf_format):\n    save_hf_format(1)\n"
      "save_hf_format(m, t, a)\n",
      "from dschat.utils.utils import save_hf_format_safetensors\ndef g(save_hf_format):\n    save_hf_format(1)\n"
      "save_hf_format_safetensors(m, t, a)\n"),
     ("a latin-1 file stays latin-1",
-     "# -*- coding: latin-1 -*-\nfrom dschat.utils.utils import save_hf_format\nsave_hf_format(m, 'é', a)\n".encode("latin-1"),
+     ("# -*- coding: latin-1 -*-\nfrom dschat.utils.utils import save_hf_format\n"
+      "save_hf_format(m, 'é', a)\n").encode("latin-1"),
      "# -*- coding: latin-1 -*-\nfrom dschat.utils.utils import save_hf_format_safetensors\n"
      "save_hf_format_safetensors(m, 'é', a)\n".encode("latin-1")),
 ]

@@ -14,7 +14,8 @@ from patcher.patch.locate import find_checkout
 STEP1 = "training/step1_supervised_finetuning/main.py"
 SAVE = "import os\n\n\ndef save_hf_format(model, tokenizer, args):\n    os.makedirs(args.output_dir)\n"
 PKG_MAIN = "from dschat.utils.utils import save_hf_format\nsave_hf_format(m, t, a)\n"
-LEGACY_MAIN = ("import os, sys\nsys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))\n"
+LEGACY_MAIN = ("import os, sys\n"
+               "sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))\n"
                "from utils.utils import save_hf_format\nsave_hf_format(m, t, a)\n")
 PACKAGE = {"dschat/__init__.py": "", "dschat/utils/__init__.py": "", "dschat/utils/utils.py": SAVE, STEP1: PKG_MAIN}
 LEGACY = {"training/utils/__init__.py": "", "training/utils/utils.py": SAVE, STEP1: LEGACY_MAIN}

@@ -9,8 +9,7 @@ import libcst as cst
 import pytest
 
 from patcher.errors import DsfixError
-from patcher.patch import signature
-from patcher.patch import calls
+from patcher.patch import calls, signature
 
 UPSTREAM = "def save_hf_format(model, tokenizer, args, sub_folder=''):"
 Z3 = "def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):"
@@ -29,11 +28,13 @@ BINDS = [
     # (def header, call, param -> argument text)
     (UPSTREAM, "f(m, t, a)", {"model": "m", "tokenizer": "t", "args": "a"}),
     (UPSTREAM, "f(m, t, a, 'actor')", {"model": "m", "tokenizer": "t", "args": "a", "sub_folder": "'actor'"}),
-    (UPSTREAM, "f(m, tokenizer=t, args=a, sub_folder=s)", {"model": "m", "tokenizer": "t", "args": "a", "sub_folder": "s"}),
+    (UPSTREAM, "f(m, tokenizer=t, args=a, sub_folder=s)",
+     {"model": "m", "tokenizer": "t", "args": "a", "sub_folder": "s"}),
     (UPSTREAM, "f(args=a, model=m, tokenizer=t)", {"model": "m", "tokenizer": "t", "args": "a"}),
     (UPSTREAM, "f(model.module, tok, args)", {"model": "model.module", "tokenizer": "tok", "args": "args"}),
     (Z3, "f(m, args.global_rank, args.output_dir, zero_stage=args.zero_stage)",
-     {"model_ema": "m", "global_rank": "args.global_rank", "save_dir": "args.output_dir", "zero_stage": "args.zero_stage"}),
+     {"model_ema": "m", "global_rank": "args.global_rank", "save_dir": "args.output_dir",
+      "zero_stage": "args.zero_stage"}),
     (Z3, "f(m, 0, d, 3)", {"model_ema": "m", "global_rank": "0", "save_dir": "d", "zero_stage": "3"}),
     ("def f(model, /, tokenizer, args):", "f(m, t, args=a)", {"model": "m", "tokenizer": "t", "args": "a"}),
     ("def f(model, tokenizer, args, *, sub_folder=''):", "f(m, t, a, sub_folder='x')",
@@ -60,12 +61,14 @@ BAD_CALLS = [
     (UPSTREAM, "f()", "parameter model gets no value"),
     (UPSTREAM, "f(m, t, a, s, extra)",
      "takes 4 positional arguments but the call passes 5 (argument 5, `extra`, has no parameter)"),
-    ("def f(model):", "f(m, t)", "takes 1 positional argument but the call passes 2 (argument 2, `t`, has no parameter)"),
+    ("def f(model):", "f(m, t)",
+     "takes 1 positional argument but the call passes 2 (argument 2, `t`, has no parameter)"),
     (UPSTREAM, "f(m, t, a, model=m2)", "parameter model gets two values (by position and by keyword)"),
     (UPSTREAM, "f(m, t, a, bogus=1)", "has no parameter bogus (passed by keyword)"),
     ("def f(model, /, tokenizer):", "f(model=m, tokenizer=t)", "has no parameter model (passed by keyword)"),
     ("def f(model, *, where):", "f(m)", "parameter where gets no value"),
-    ("def f(model, *, where):", "f(m, w)", "takes 1 positional argument but the call passes 2 (argument 2, `w`, has no parameter)"),
+    ("def f(model, *, where):", "f(m, w)",
+     "takes 1 positional argument but the call passes 2 (argument 2, `w`, has no parameter)"),
 ]
 
 

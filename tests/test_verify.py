@@ -17,10 +17,10 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from smokekit import FULL, NARROW, narrow_model  # noqa: E402
-from patcher.errors import DsfixError  # noqa: E402
 from patcher.checkpoint.check.load import tie_on_load_check  # noqa: E402
 from patcher.checkpoint.check.verify import VerifyReport, verify_folder  # noqa: E402
+from patcher.errors import DsfixError  # noqa: E402
+from smokekit import FULL, NARROW, narrow_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,8 @@ def test_fixture_configs_have_311_keys():
 
 
 def test_import_does_not_load_torch():
-    code = "import sys, patcher.checkpoint.verify, patcher.checkpoint.smoke; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
+    code = ("import sys, patcher.checkpoint.verify, patcher.checkpoint.smoke; "
+            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -267,4 +268,5 @@ def test_the_cli_shows_no_third_party_progress_bar(tmp_path, model):
     err = p.stderr.decode()
     assert p.returncode == 0, err[-2000:]
     assert "%|" not in err and "Loading" not in err and "Warning" not in err, err
-    assert err.rstrip().endswith("all checks hold: 311 tensors, causal LM (a Trainer's or accelerate's model, DeepSpeed-Chat's step-1 model or step-3 actor/EMA)")
+    assert err.rstrip().endswith("all checks hold: 311 tensors, causal LM (a Trainer's or accelerate's model, "
+                                 "DeepSpeed-Chat's step-1 model or step-3 actor/EMA)")

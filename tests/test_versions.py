@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from smokekit import REPO
 from patcher.checkpoint.check.load import dtype_kwarg
+from smokekit import REPO
 
 
 def _floor() -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, Optional
 
 INTERVAL = 5.0  # seconds: at most one line this often
 HEARTBEAT = 30.0  # seconds: a line this often while nothing changes
@@ -81,7 +82,10 @@ class Progress:
     def __init__(self, console, title: str, *, total: int | None = None, min_total: int = 0):
         self.console, self.title, self.total = console, title, total
         self.shown = console is not None and (total is None or total >= min_total)
-        self._bar = self._task = self._lines = self._thread = None
+        self._bar: Any = None
+        self._task: Any = None
+        self._lines: Optional[Lines] = None
+        self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
     def __enter__(self) -> "Progress":
@@ -91,13 +95,15 @@ class Progress:
             self._open_bar()
         else:
             self._lines = Lines(self._print, self.title, self.total)
-            self._thread = threading.Thread(target=self._ticks, name="dsfix-progress", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._ticks, name="dsfix-progress", daemon=True)
+            thread.start()
+            self._thread = thread
         return self
 
     def _open_bar(self) -> None:
         from rich import progress as rp
 
+        columns: tuple
         if self.total is None:
             columns = (rp.SpinnerColumn(), rp.TextColumn("{task.description}"), rp.TimeElapsedColumn())
         else:
@@ -112,7 +118,8 @@ class Progress:
 
     def _ticks(self) -> None:
         while not self._stop.wait(0.5):
-            self._lines.tick()
+            if self._lines is not None:
+                self._lines.tick()
 
     def phase(self, text: str) -> None:
         if self._bar is not None:
@@ -126,10 +133,9 @@ class Progress:
         elif self._lines is not None:
             self._lines.advance(n)
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5)
         if self._bar is not None:
             self._bar.__exit__(*exc)
-        return False

@@ -423,7 +423,7 @@ def _sites(tree: ast.Module, src: Source, candidates: list, modules) -> list:
     for span, n in stmts:
         if isinstance(n, ast.ImportFrom) and n.module in modules:
             chosen[span] = n
-    out = []
+    out: list[Site] = []
     for (start, end), node in sorted(chosen.items()):
         if out and start < out[-1].end:
             continue  # inside a statement already chosen
@@ -436,7 +436,8 @@ def _sites(tree: ast.Module, src: Source, candidates: list, modules) -> list:
 def arguments(node: ast.Call, src: "Source") -> list:
     """The call's arguments as Arg, in source order (columns in characters, as libcst counts them)."""
     args = []
-    for a in sorted([*node.args, *node.keywords], key=lambda a: (a.lineno, a.col_offset)):
+    given: list[ast.expr | ast.keyword] = [*node.args, *node.keywords]
+    for a in sorted(given, key=lambda a: (a.lineno, a.col_offset)):
         value = a.value if isinstance(a, (ast.keyword, ast.Starred)) else a
         if isinstance(a, ast.keyword):
             keyword, star = a.arg, "" if a.arg else "**"

@@ -9,10 +9,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch import plan as planner
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
-from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch.locate import Checkout, chat_roots_below, find_checkout, find_patched, layout_of
 from patcher.patch.plan import Status, Target
 from patcher.patch.source import Unreadable
@@ -83,6 +83,7 @@ class Outcome(Result):
     diff: bytes = b""
     message: str = ""
     new_bytes: dict = field(default_factory=dict)  # check: rel -> the bytes apply would write
+    status = None  # no status of its own (each file has one): the exit code comes from the files (not a field)
 
     @property
     def exit_code(self) -> int:

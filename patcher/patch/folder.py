@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
 
 import libcst as cst
 
 from patcher.errors import DsfixError, Refused
 from patcher.patch.names import dotted
+
+if TYPE_CHECKING:
+    from libcst.metadata import CodeRange
 
 PURE_CALLS = frozenset({
     "os.path.join", "os.path.normpath", "os.path.abspath", "os.path.realpath", "os.path.expanduser",
@@ -33,8 +37,9 @@ EXCEPTIONS = frozenset({"ValueError", "TypeError", "RuntimeError", "AssertionErr
                         "NotImplementedError", "KeyError", "OSError", "Exception"})
 MUTATORS = frozenset({"append", "extend", "insert", "update", "pop", "remove", "clear", "setdefault", "add",
                       "discard", "sort", "reverse", "popitem", "__setitem__", "__delitem__"})
-_BINDING = {cst.AssignTarget: "target", cst.AugAssign: "target", cst.AnnAssign: "target", cst.For: "target",
-            cst.AsName: "name", cst.NamedExpr: "target"}  # node type -> the field holding what it binds
+_BINDING: dict[type, str] = {  # node type -> the field holding what it binds
+    cst.AssignTarget: "target", cst.AugAssign: "target", cst.AnnAssign: "target", cst.For: "target",
+    cst.AsName: "name", cst.NamedExpr: "target"}
 
 
 class _OwnBody(cst.CSTVisitor):
@@ -133,7 +138,7 @@ class Lines:
     def __init__(self, fn: cst.FunctionDef, def_line: int | None):
         self.fn = fn
         self.def_line = def_line
-        self._pos = None
+        self._pos: Mapping[cst.CSTNode, CodeRange] | None = None
 
     def __call__(self, node) -> int | None:
         if self.def_line is None:
@@ -153,8 +158,8 @@ class _Slicer:
 
     def __init__(self, aliases: dict):
         self.aliases = aliases
-        self.carried = set()
-        self.read_at = {}  # name -> the node that first needed it (for messages)
+        self.carried: set[int] = set()  # ids of the nodes carried
+        self.read_at: dict[str, cst.CSTNode] = {}  # name -> the node that first needed it (for messages)
 
     # --- expressions
 
@@ -189,10 +194,12 @@ class _Slicer:
         q = self.qualified(func)
         if q:  # a module's function or a builtin: only the pure path helpers
             ok = q in PURE_CALLS or q.startswith("builtins.")
-        else:  # a method: of a string or a path, when its name says so
-            ok = isinstance(func, cst.Attribute) and func.attr.value in PURE_METHODS
+        elif isinstance(func, cst.Attribute):  # a method: of a string or a path, when its name says so
+            ok = func.attr.value in PURE_METHODS
             if ok:
                 self.pure(func.value, at)
+        else:
+            ok = False
         if not ok:
             what = dotted(func) or "an expression"
             raise Refused(f"computes its folder with a call of {what}, which may do more than join paths", node=at)
@@ -281,11 +288,13 @@ class _Slicer:
         if not assigned(node) & needed:
             self.mutations(node, needed)
             return None, needed
-        chain, cur = [], node
+        chain: list[cst.If] = []
+        cur: cst.If | cst.Else | None = node
         while isinstance(cur, cst.If):
             chain.append(cur)
             cur = cur.orelse
-        final = cur.body if isinstance(cur, cst.Else) else None
+        last = cur if isinstance(cur, cst.Else) else None  # the final else
+        final = last.body if last is not None else None
         before = set()
         bodies = []
         for block in [c.body for c in chain] + ([final] if final is not None else []):
@@ -298,9 +307,9 @@ class _Slicer:
             self.pure(c.test, c)
             before = self._need(reads(c.test), c, before)
             self.carried.add(id(c))
-        orelse = None
-        if final is not None and not _is_pass(bodies[-1]):
-            orelse = cur.with_changes(body=bodies[-1])
+        orelse: cst.If | cst.Else | None = None  # the chain rebuilt from its end
+        if last is not None and not _is_pass(bodies[-1]):
+            orelse = last.with_changes(body=bodies[-1])
         for c, body in reversed(list(zip(chain, bodies))):
             orelse = c.with_changes(body=body, orelse=orelse)
         return orelse, before
@@ -355,8 +364,12 @@ def _operands(node) -> list | None:
     if isinstance(node, cst.Attribute):
         return [node.value]
     if isinstance(node, cst.Subscript):
-        slices = [el.slice for el in node.slice]
-        bounds = [b for sl in slices for b in ([sl.value] if isinstance(sl, cst.Index) else [sl.lower, sl.upper, sl.step])]
+        bounds: list[cst.BaseExpression | None] = []
+        for el in node.slice:
+            if isinstance(el.slice, cst.Index):
+                bounds.append(el.slice.value)
+            elif isinstance(el.slice, cst.Slice):
+                bounds += [el.slice.lower, el.slice.upper, el.slice.step]
         return [node.value, *(b for b in bounds if b is not None)]
     if isinstance(node, cst.UnaryOperation):
         return [node.expression]

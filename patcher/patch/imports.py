@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 import libcst as cst
 
@@ -40,12 +41,12 @@ class ImportSpec:
 # ----------------------------------------------------------------------------- what an import binds (ast)
 
 
-def bindings(node) -> list:
+def bindings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str | None]]:
     """[(bound name, qualified name or None)] for an ``ast.Import``/``ast.ImportFrom``: ``import a.b`` binds
     ``a`` as ``a``, ``import a.b as c`` binds ``c`` as ``a.b``, ``from a import b as c`` binds ``c`` as
     ``a.b``; a relative import's names are not qualified. A star import binds nothing here (the caller
     decides what it brings)."""
-    out = []
+    out: list[tuple[str, str | None]] = []
     if isinstance(node, ast.Import):
         for a in node.names:
             top = a.name.split(".")[0]
@@ -72,16 +73,16 @@ def module_candidates(node) -> tuple:
 
 
 def alias_name(alias: cst.ImportAlias) -> str:
-    return dotted(alias.name)
+    """The name imported: ``a.b`` for ``import a.b as c``."""
+    return alias.evaluated_name
 
 
 def bound_name(alias: cst.ImportAlias) -> str:
-    if alias.asname is not None:
-        return alias.asname.name.value
-    return alias_name(alias).split(".")[0]
+    """The name an import binds: ``c`` for ``import a.b as c``, ``a`` for ``import a.b``."""
+    return alias.evaluated_alias or alias.evaluated_name.split(".")[0]
 
 
-def from_module(small) -> str | None:
+def from_module(small: cst.CSTNode | None) -> str | None:
     """M for an absolute ``from M import names`` (not a star import), else None."""
     if isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None \
             and not isinstance(small.names, cst.ImportStar):
@@ -89,7 +90,17 @@ def from_module(small) -> str | None:
     return None
 
 
-def top_import(stmt) -> cst.BaseSmallStatement | None:
+def from_names(small: cst.CSTNode) -> Sequence[cst.ImportAlias]:
+    """The names a ``from M import names`` lists; none for a star import or another statement."""
+    if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+        return small.names
+    return ()
+
+
+Import = Union[cst.Import, cst.ImportFrom]
+
+
+def top_import(stmt: cst.CSTNode) -> Import | None:
     """The import a top-level statement is, when it is a single import on its line."""
     if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
         small = stmt.body[0]
@@ -137,7 +148,8 @@ def present_in(tree: ast.Module, spec: ImportSpec) -> bool:
                 if node.module == spec.module and any(a.name == spec.name and a.asname is None for a in node.names):
                     return True
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                blocks += [getattr(node, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(node, f, None), list)]
+                blocks += [getattr(node, f) for f in ("body", "orelse", "finalbody")
+                           if isinstance(getattr(node, f, None), list)]
                 blocks += [h.body for h in getattr(node, "handlers", ())]
     return False
 
@@ -168,7 +180,7 @@ def present(module: cst.Module, spec: ImportSpec) -> bool:
                 if any(alias_name(a) == spec.module and a.asname is None for a in small.names):
                     return True
             if spec.name is not None and from_module(small) == spec.module:
-                if any(alias_name(a) == spec.name and a.asname is None for a in small.names):
+                if any(alias_name(a) == spec.name and a.asname is None for a in from_names(small)):
                     return True
     return False
 
@@ -180,7 +192,7 @@ def _comma(after: str = " ") -> cst.Comma:
     return cst.Comma(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(after))
 
 
-def insert_alias_after(names: list, pos: int, new: cst.ImportAlias) -> list:
+def insert_alias_after(names: Sequence[cst.ImportAlias], pos: int, new: cst.ImportAlias) -> list[cst.ImportAlias]:
     """Insert ``new`` after ``names[pos]``, in the list's own comma style (exact inverse: remove_alias)."""
     names = list(names)
     if pos < len(names) - 1:
@@ -192,7 +204,7 @@ def insert_alias_after(names: list, pos: int, new: cst.ImportAlias) -> list:
     return names[:-1] + [last.with_changes(comma=_comma()), new.with_changes(comma=cst.MaybeSentinel.DEFAULT)]
 
 
-def remove_alias(names: list, k: int) -> list:
+def remove_alias(names: Sequence[cst.ImportAlias], k: int) -> list[cst.ImportAlias]:
     names = list(names)
     if k == len(names) - 1 and k > 0:
         return names[: k - 1] + [names[k - 1].with_changes(comma=names[k].comma)]
@@ -224,8 +236,9 @@ def add(module: cst.Module, specs) -> tuple:
         if spec.name is not None:
             for i, stmt in enumerate(body):
                 small = top_import(stmt)
-                if from_module(small) == spec.module:
-                    names = insert_alias_after(small.names, len(small.names) - 1, cst.ImportAlias(cst.Name(spec.name)))
+                if small is not None and from_module(small) == spec.module:
+                    listed = from_names(small)
+                    names = insert_alias_after(listed, len(listed) - 1, cst.ImportAlias(cst.Name(spec.name)))
                     body[i] = stmt.with_changes(body=[small.with_changes(names=names)])
                     merged = True
                     break

@@ -44,7 +44,9 @@ class KeyFilter:
 UPSTREAM = KeyFilter(None)
 
 # A formula: ("leaf", node, var, negated) | ("and", [f]) | ("or", [f]) | ("not", f) | ("true",) | ("false",)
-TRUE, FALSE = ("true",), ("false",)
+Formula = tuple
+TRUE: Formula = ("true",)
+FALSE: Formula = ("false",)
 
 
 def _formula(test, var: str):
@@ -84,7 +86,7 @@ def _simplify(f, keyfree):
         return f if v is None else v
     if kind in ("and", "or"):
         unit, zero = (TRUE, FALSE) if kind == "and" else (FALSE, TRUE)
-        out = []
+        out: list[Formula] = []
         for c in f[1]:
             c = _simplify(c, keyfree)
             if c == zero:
@@ -145,9 +147,9 @@ class Reader:
         self.params = params
         self.nodes = list(_own_nodes(fn))
         self.assigned = {n.id for n in self.nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        self.loop_bound = set()  # names bound by the loop or comprehension being read (the value, say)
-        self.used_params = set()
-        self.statey = set()  # names of dicts taken from the model's state (sd = model.state_dict())
+        self.loop_bound: set[str] = set()  # names bound by the loop or comprehension being read (the value, say)
+        self.used_params: set[str] = set()
+        self.statey: set[str] = set()  # names of dicts taken from the model's state (sd = model.state_dict())
         for node in self.nodes:
             if isinstance(node, ast.Assign) and self.is_state(node.value):
                 self.statey |= {t.id for t in node.targets if isinstance(t, ast.Name)}
@@ -164,8 +166,9 @@ class Reader:
     # --- the sites
 
     def sites(self) -> list:
-        """The keep formula of every place the function builds or prunes the dict it saves."""
-        out = []
+        """(node, keep formula, key variable, other names bound there) for every place the function builds or
+        prunes the dict it saves."""
+        out: list[tuple[ast.AST, Formula, str, set]] = []
         for node in self.nodes:
             if isinstance(node, ast.DictComp) and len(node.generators) == 1:
                 g = node.generators[0]
@@ -182,7 +185,8 @@ class Reader:
                         and isinstance(it.elt, ast.Name) and isinstance(it.generators[0].target, ast.Name) \
                         and it.elt.id == it.generators[0].target.id:
                     pre = [_formula(c, it.elt.id) for c in it.generators[0].ifs]
-                keep, drop = [], []
+                keep: list[list[Formula]] = []  # the tests on each path that keeps a key
+                drop: list[list[Formula]] = []  # or that drops one
                 self._walk(node.body, pre, var, keep, drop)
                 inner = {n.id for s in node.body for n in ast.walk(s) if isinstance(n, ast.Name)
                          and isinstance(n.ctx, ast.Store)}

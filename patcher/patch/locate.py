@@ -144,7 +144,7 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
         raise file_not_folder(_shown_arg(repo))
     root = _chat_root(start)
     home = root or _step1_base(start)  # what --main and --script are relative to first
-    notes = []
+    notes: list[str] = []
     main_path = _given(main, "--main", home, notes) if main is not None else None
     script_paths = [_given(s, "--script", home, notes) for s in scripts]
     if main_path is None:
@@ -368,7 +368,8 @@ def _checkout_at(root: Path, main_path: Path | None, scripts: list, home: Path |
         if not _exists(main_path):
             found = [Path(os.path.relpath(p, home or root)).as_posix() for p in callers(root)
                      if "step2" not in str(p) and "step3" not in str(p)]
-            hint = "; pass the script that saves: " + shown([_opt("--main", r) for r in found], sep=" or ") if found else ""
+            hint = ("; pass the script that saves: " + shown([_opt("--main", r) for r in found], sep=" or ")
+                    if found else "")
             raise DsfixError(f"no {STEP_MAIN[1]} and no other {STEP1_DIR}/main.py that calls the save functions"
                              f"{hint}", detail=[_opt("--main", r) for r in found])
     mains = {1: main_path, **_later_steps(root, main_path)}
@@ -442,7 +443,7 @@ def _resolve(root: Path, script: Path):
 
 def _shadowed(root: Path, utils_path: Path) -> list:
     out = []
-    for name, rel in LAYOUTS.items():
+    for rel in LAYOUTS.values():
         other = root / rel
         if other.is_file() and other.resolve() != utils_path.resolve():
             out.append(f"step 1 imports {_rel(root, utils_path)}, which shadows {rel}: the copy step 1 really "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import enum
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from patcher.errors import DsfixError
 from patcher.patch.diff import split_lines
@@ -60,6 +61,13 @@ class Saved:
 
     def blob(self, rel: str, kind: str) -> bytes | None:
         return self.blobs[(rel, kind)]
+
+    def patched(self, rel: str) -> bytes:
+        """What apply wrote to ``rel``: a file, always (only an original may be missing)."""
+        data = self.blobs[(rel, "patched")]
+        if data is None:
+            raise DsfixError("the state folder keeps no copy of what apply wrote here", path=rel)
+        return data
 
     def target(self, rel: str, data: bytes | None) -> Target:
         entry = self.entries[rel]
@@ -145,7 +153,7 @@ def _guarded(change: FileChange, ctx: Context, verify: bool) -> None:
 
 
 def plan_apply(targets: list, strategy: str, saved: Saved | None = None, verify: bool = False, scripts: tuple = (),
-               steps: tuple = (1,), drop: tuple = ()) -> ApplyPlan:
+               steps: tuple = (1,), drop: Sequence[Target] = ()) -> ApplyPlan:
     """``targets``: utils.py before the scripts (which bind their calls to what it defines); ``scripts``:
     (step-1 script, further ones) to record, with ``strategy`` and ``steps``. ``drop``: files an earlier apply
     patched for steps that ``steps`` leaves out now (Targets as read), restored from ``saved``. ``verify``:
@@ -168,8 +176,10 @@ def plan_apply(targets: list, strategy: str, saved: Saved | None = None, verify:
     return ApplyPlan(tuple(changes), tuple(warnings), state)
 
 
-def _restores(saved: Saved | None, drop: tuple, steps: tuple) -> list:
+def _restores(saved: Saved | None, drop: Sequence[Target], steps: tuple) -> list:
     """The files of steps left out now, restored from the state folder (refused when edited or gone)."""
+    if saved is None:  # nothing patched before: nothing to leave out now (``drop`` is empty)
+        return []
     listed, out = ",".join(map(str, steps)), []
     for t in drop:
         r = revert_with_state(saved, t)
@@ -218,7 +228,7 @@ def original_under_edits(saved: Saved, target: Target) -> bytes | None:
     if original is None or current is None:
         return original
     # edited after the last apply: carry the user's edits over to the recorded original
-    merged = merge3(saved.blob(rel, "patched"), current, original)
+    merged = merge3(saved.patched(rel), current, original)
     if merged is not None:
         return merged
     return FIXERS[target.kind].unpatch(current, saved.target(rel, current))[0]
@@ -246,12 +256,12 @@ def merge3(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
     return b"".join(out)
 
 
-def _undone_by_merge(target: Target, patched: bytes, original: bytes | None) -> bytes | None:
-    """The user's later edits carried over to the original by a three-way merge, when that leaves nothing of
-    dsfix's change (and parses); else None."""
+def _undone_by_merge(target: Target, current: bytes, patched: bytes, original: bytes | None) -> bytes | None:
+    """The user's later edits (``current``) carried over to the original by a three-way merge, when that leaves
+    nothing of dsfix's change (and parses); else None."""
     if original is None:
         return None
-    merged = merge3(patched, target.data, original)
+    merged = merge3(patched, current, original)
     if merged is None:
         return None
     try:
@@ -263,7 +273,7 @@ def _undone_by_merge(target: Target, patched: bytes, original: bytes | None) -> 
 def revert_with_state(saved: Saved, target: Target) -> RevertOutcome:
     rel, current = target.rel, target.data
     fixer = FIXERS[target.kind]
-    original, patched = saved.blob(rel, "original"), saved.blob(rel, "patched")
+    original = saved.blob(rel, "original")
     if sha256(current) == saved.entries[rel]["patched_sha256"]:
         return RevertOutcome(rel, original, Status.RESTORED)
     if sha256(current) == saved.entries[rel]["original_sha256"]:
@@ -272,7 +282,8 @@ def revert_with_state(saved: Saved, target: Target) -> RevertOutcome:
         return RevertOutcome(rel, None, Status.REFUSED, "the file is gone since apply")
     try:
         parse_script(current, rel)
-        merged = _undone_by_merge(target, patched, original)
+        patched = saved.patched(rel)
+        merged = _undone_by_merge(target, current, patched, original)
         if merged is not None:
             return RevertOutcome(rel, merged, Status.MERGED, notes=["kept your edits made after apply"])
         if fixer.unpatch(patched, target)[0] == original and fixer.own_part(current) == fixer.own_part(patched):

@@ -16,10 +16,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.patch.imports import module_candidates
-from patcher.patch.source import Source, parse_script, statements
 from patcher.errors import DsfixError
-from patcher.patch.names import SAVE_NAMES, dotted as dotted_name
+from patcher.patch.imports import module_candidates
+from patcher.patch.names import SAVE_NAMES
+from patcher.patch.names import dotted as dotted_name
+from patcher.patch.source import Source, parse_script, statements
 
 _ANCESTORS = 4  # folders above the DeepSpeed-Chat folder searched when no .git marks the repository root
 
@@ -158,7 +159,7 @@ class _PathEval:
 
 
 def _norm(p: Path) -> Path:
-    parts = []
+    parts: list[str] = []
     for part in p.parts:
         if part == "..":
             if len(parts) > 1:
@@ -168,10 +169,12 @@ def _norm(p: Path) -> Path:
     return Path(*parts) if parts else p
 
 
-def sys_path_changes(tree: ast.Module, script: Path, source: str) -> tuple:
+def sys_path_changes(tree: ast.Module, script: Path, source: Source) -> tuple:
     """(folders prepended, folders appended, notes) from the script's sys.path.append/insert calls."""
     ev = _PathEval(script)
-    front, back, notes = [], [], []
+    front: list[Path] = []
+    back: list[Path] = []
+    notes: list[str] = []
     if "sys.path" not in source.text:
         return (), (), []
     for stmt in statements(tree):
@@ -266,7 +269,7 @@ def defines_save(path: Path) -> bool:
 # ----------------------------------------------------------------------------- one script
 
 
-def search_path(script: Path, tree: ast.Module, source: str, chat_root: Path) -> tuple:
+def search_path(script: Path, tree: ast.Module, source: Source, chat_root: Path) -> tuple:
     """((the script's own path, the installed-package stand-ins), notes). The first is what Python
     searches when the script runs; the second (the DeepSpeed-Chat folder and the folders above it) is
     tried only for a module the first does not find."""
@@ -339,7 +342,8 @@ def resolve_script(script: Path, data: bytes, chat_root: Path) -> Resolution:
             if relevant:
                 res.lines.append(ImportLine(node.lineno, _short(node, source), (), "a relative import in a script"))
             continue
-        hits, reasons = [], []
+        hits: list[tuple[str, Path]] = []
+        reasons: list[str] = []
         for dotted in module_candidates(node):
             path, why = locate_module(dotted, roots)
             if path is not None and defines_save(path):

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from patcher.errors import DsfixError, Refused
 from patcher.patch import folder, imports, keyfilter
 from patcher.patch import source as src
-from patcher.errors import DsfixError, Refused
 from patcher.patch.names import MODULE_FUNCTIONS, RENAMES
 
 EXTRAS = ("strategy", "max_shard_size")  # dsfix's own keyword-only options, after the fork's parameters
@@ -54,7 +54,7 @@ class SaveDef:
 
     name: str  # "save_hf_format" or "save_zero_three_model"
     params: tuple  # of Param
-    line: int
+    line: int | None  # the def's line in utils.py (None: read from text alone)
     where: tuple = ()  # the statements (source text) that compute the folder, copied into dsfix's function
     folder: str = "output_dir"  # the expression for the folder, after those statements
     passed: tuple = ()  # (core keyword, expression) pairs besides model and folder
@@ -154,8 +154,8 @@ def _writes(fn: ast.FunctionDef) -> frozenset:
     return frozenset(out)
 
 
-def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.FunctionDef = None, source=None,
-             aliases: dict | None = None) -> SaveDef:
+def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.FunctionDef | None = None,
+             source: src.Source | None = None, aliases: dict | None = None) -> SaveDef:
     """What dsfix's replacement of ``fn`` must take, pass and copy; refuses what it cannot carry over.
     ``fn_ast``/``source``: the same function parsed by ast and its file's text (source.Source), for line
     numbers; ``aliases``: the module's top-level imports (imports.module_aliases)."""
@@ -166,7 +166,7 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.Functi
         raise DsfixError(f"{name} takes no positional model parameter", path=rel, line=line)
     if fn_ast is None or source is None:
         text = code(fn.with_changes(leading_lines=[], decorators=[]))
-        fn_ast, source, line = ast.parse(text).body[0], src.Source(text), line if line else None
+        fn_ast, source, line = _ast_def(ast.parse(text).body[0]), src.Source(text), line if line else None
     names = {p.name for p in params}
     body = _body(fn)
     where = folder.read_folder(fn, body, names, aliases if aliases is not None else {"os": "os"},
@@ -257,9 +257,10 @@ def default_def(name: str) -> SaveDef:
         "save_zero_three_model": "def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):\n"
                                  "    zero_stage_3 = (zero_stage == 3)\n    os.makedirs(save_dir, exist_ok=True)\n"
                                  "    sd = {k: v for k, v in model_ema.named_parameters() if 'lora' not in k}\n"
-                                 "    if global_rank == 0: torch.save(sd, os.path.join(save_dir, 'pytorch_model.bin'))\n",
+                                 "    if global_rank == 0: "
+                                 "torch.save(sd, os.path.join(save_dir, 'pytorch_model.bin'))\n",
     }
-    d = read_def(cst.parse_statement(sigs[name]), "", None)
+    d = read_def(_cst_def(cst.parse_statement(sigs[name])), "", None)
     return dataclasses.replace(d, line=0, notes=(), default=True)
 
 
@@ -283,7 +284,21 @@ def find_defs(data: bytes, rel: str) -> dict:
 def function_node(text: src.Source, fn_ast: ast.FunctionDef) -> cst.FunctionDef:
     """libcst's node of a top-level function, parsed from its own lines (decorators included)."""
     first = min([fn_ast.lineno, *(d.lineno for d in fn_ast.decorator_list)])
-    return cst.parse_module("".join(text.lines[first - 1:fn_ast.end_lineno])).body[0]
+    return _cst_def(cst.parse_module("".join(text.lines[first - 1:fn_ast.end_lineno])).body[0])
+
+
+def _cst_def(node: cst.CSTNode) -> cst.FunctionDef:
+    """``node``, parsed from the text of a def (libcst)."""
+    if not isinstance(node, cst.FunctionDef):
+        raise ValueError(f"not a function: {type(node).__name__}")
+    return node
+
+
+def _ast_def(node: ast.AST) -> ast.FunctionDef:
+    """``node``, parsed from the text of a def (ast)."""
+    if not isinstance(node, ast.FunctionDef):
+        raise ValueError(f"not a function: {type(node).__name__}")
+    return node
 
 
 # ----------------------------------------------------------------------------- generating dsfix's function
@@ -376,7 +391,7 @@ def bind(params: tuple, args: list) -> dict | None:
 
 def params_of(source: str) -> tuple:
     """The parameters of a generated def, parsed back (what the rewritten call binds to)."""
-    return _params(cst.parse_statement(source))
+    return _params(_cst_def(cst.parse_statement(source)))
 
 
 def check_binding(sd: SaveDef, call) -> None:

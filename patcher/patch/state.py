@@ -173,7 +173,8 @@ def load(root: Path) -> Saved | None:
         if data.get("state_version", 1) > STATE_VERSION:
             raise DsfixError(f"the state folder was written by a newer dsfix (state version {data['state_version']}); "
                              "revert with that version", path=STATE_DIR + "/")
-        entries, blobs = data["files"], {}
+        entries = data["files"]
+        blobs: dict[tuple[str, str], bytes | None] = {}
         for rel, entry in entries.items():
             for kind in ("original", "patched"):
                 if entry[f"{kind}_sha256"] is None:  # the file was not there (the save module before apply)
@@ -196,8 +197,8 @@ def _build(folder: Path, saved: Saved) -> None:
     for (rel, kind), data in saved.blobs.items():
         if data is not None:
             files[f"{kind}/{rel}"] = data
-    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main, "scripts": list(saved.scripts),
-              "strategy": saved.strategy, "steps": list(saved.steps)}
+    record = {"state_version": STATE_VERSION, "files": saved.entries, "main": saved.main,
+              "scripts": list(saved.scripts), "strategy": saved.strategy, "steps": list(saved.steps)}
     files["state.json"] = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
     for name, data in files.items():
         p = folder / name
@@ -268,7 +269,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
         stop_point("commit.staged")  # tests: every new byte written aside, nothing swapped yet
         if state is not KEEP:
             swapped = True  # from here, a failure puts the old state folder back
-            _swap_state(folder, new_dir, old_dir, state)
+            _swap_state(folder, new_dir if isinstance(state, Saved) else None, old_dir)
         stop_point("commit.swapped")  # tests: the state folder swapped in, no file renamed yet
         for target, tmp in temps:
             old = target.read_bytes() if target.exists() else None
@@ -278,7 +279,7 @@ def commit(root: Path, writes: list, state=KEEP, rel_of=lambda p: str(p)) -> Non
         for target, _tmp in temps:
             fsync_dir(target.parent)
         if old_dir.exists():  # the old state folder is no longer one to put back: a name recover() removes
-            _swap_state(old_dir, None, gone, None)  # failing, it is still one: all is rolled back, as before
+            _swap_state(old_dir, None, gone)  # failing, it is still one: all is rolled back, as before
     except BaseException:
         _roll_back(done, temps, swapped, folder, new_dir, old_dir, state)
         raise
@@ -303,12 +304,12 @@ def _temp_or_refuse(target: Path, data: bytes, rel_of) -> Path:
         raise DsfixError(f"cannot be written: {e.strerror or e}", path=rel_of(target)) from None
 
 
-def _swap_state(folder: Path, new_dir: Path, old_dir: Path, state) -> None:
-    """The old state folder moved aside and the new one (if any) moved in."""
+def _swap_state(folder: Path, new_dir: Path | None, old_dir: Path) -> None:
+    """The old state folder moved aside (to ``old_dir``) and the new one (``new_dir``, if any) moved in."""
     try:
         if folder.exists():
             os.replace(folder, old_dir)
-        if isinstance(state, Saved):
+        if new_dir is not None:
             os.replace(new_dir, folder)
     except OSError as e:
         raise DsfixError(f"cannot write the state folder: {e.strerror or e}; nothing was changed",

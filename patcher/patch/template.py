@@ -87,14 +87,17 @@ def parse_template(source: str, path: Path = Path(LOADER_FILE)) -> Template:
         if isinstance(stmt, ast.Import):
             imports += [ImportSpec(a.name) for a in stmt.names]
         elif isinstance(stmt, ast.ImportFrom):
+            if stmt.module is None or stmt.level:
+                raise DsfixError(f"template line {stmt.lineno}: a relative import", path=str(path))
             imports += [ImportSpec(stmt.module, a.name) for a in stmt.names]
         elif not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and first is None):
             name = ast_defined_name(stmt)
             if name is None or not is_dsfix_name(name):
                 raise DsfixError(f"template statement at line {stmt.lineno} defines {name!r}, which is not a dsfix "
                                  "name", path=str(path))
-            if name == "_DSFIX_TEMPLATE_VERSION":
-                version = stmt.value.value
+            value = stmt.value if isinstance(stmt, ast.Assign) else None
+            if name == "_DSFIX_TEMPLATE_VERSION" and isinstance(value, ast.Constant) and isinstance(value.value, int):
+                version = value.value
             first = first or stmt
     if version is None or first is None:
         raise DsfixError("template has no _DSFIX_TEMPLATE_VERSION", path=str(path))

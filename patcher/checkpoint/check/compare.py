@@ -110,8 +110,9 @@ def compare_folders(path, against, atol: float = 0.0, rtol: float = 0.0) -> Comp
         groups = _tie_groups(Path(path), Path(against), head)
         partner = {k: [o for o in g if o != k] for g in groups for k in g}
         pairs, keys = _pairs(head, ref_head, partner)
-        checks = [Check("files", True, f"{len(head.entries)} tensors in {examples(head.files)}; {len(ref_head.entries)} "
-                                       f"in {against}'s {examples(ref_head.files)}"), keys]
+        files = (f"{len(head.entries)} tensors in {examples(head.files)}; {len(ref_head.entries)} in {against}'s "
+                 f"{examples(ref_head.files)}")
+        checks = [Check("files", True, files), keys]
         rows = [_row(reader, head, ref_reader, ref_head, name, ref, atol, rtol) for name, ref in pairs]
         for name, what in (("shapes", "shape"), ("dtypes", "dtype"), ("values", "values")):
             bad = [r for r in rows if r.kind == what]
@@ -189,7 +190,8 @@ def _good(name: str, rows: list, atol: float, rtol: float) -> str:
 
 def _ties_check(sides: list, groups: list) -> Check:
     """Wherever one folder stores several keys of a tie group, they are bit-equal."""
-    notes, bad = [], []
+    notes: list = []
+    bad: list = []
     for reader, head, label in sides:
         for group in groups:
             present = [k for k in group if k in head.entries]

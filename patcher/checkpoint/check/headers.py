@@ -59,7 +59,8 @@ def nonempty_check(head: Header) -> Check:
         hint = ""
         if any(s == (0,) for s, _, _ in head.entries.values()):
             hint = " — shape [0] is a ZeRO-3 partitioned placeholder: gather the parameters before saving"
-        return Check("non-empty", False, f"{len(empty)} of {len(head.entries)} tensors are empty: {examples(empty)}{hint}")
+        return Check("non-empty", False,
+                     f"{len(empty)} of {len(head.entries)} tensors are empty: {examples(empty)}{hint}")
     return Check("non-empty", True, f"{len(head.entries)} tensors, none empty")
 
 
@@ -70,7 +71,8 @@ def dtype_check(head: Header, cfg_dtype: Optional[str]) -> tuple[Check, Optional
         if is_float_code(code):
             floats.setdefault(code, []).append(k)
     if len(floats) > 1:
-        mix = "; ".join(f"{len(v)} {dtype_name(c)} (e.g. {v[0]})" for c, v in sorted(floats.items(), key=lambda i: -len(i[1])))
+        most_first = sorted(floats.items(), key=lambda i: -len(i[1]))
+        mix = "; ".join(f"{len(v)} {dtype_name(c)} (e.g. {v[0]})" for c, v in most_first)
         return Check("dtype", False, f"floating tensors mix dtypes: {mix}"), None
     if not floats:
         return Check("dtype", True, "no floating tensors"), None

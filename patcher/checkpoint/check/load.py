@@ -70,7 +70,7 @@ def load_check(path, *, dtype: Any = None, device: Any = None, keep_model: bool 
 
 def _text_config(model: Any) -> Any:
     config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
 
 
 def _ties_embeddings(model: Any) -> bool:

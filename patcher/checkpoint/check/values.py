@@ -87,5 +87,6 @@ def finite_check(reader: Any, head: Header) -> Check:
     names = [k for k, (shape, code, _) in head.entries.items() if is_float_code(code) and 0 not in shape]
     bad = [k for k in names if not all(is_finite(block) for block in blocks(reader, k, head.entries[k][0]))]
     if bad:
-        return Check("finite", False, f"{len(bad)} of {len(names)} floating tensors hold NaN or Inf, the first {bad[0]}")
+        return Check("finite", False,
+                     f"{len(bad)} of {len(names)} floating tensors hold NaN or Inf, the first {bad[0]}")
     return Check("finite", True, f"no NaN or Inf in {len(names)} floating tensors")

@@ -94,13 +94,15 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite:
 
 def tied_check(reader: Any, head: Header, tie_groups: list) -> Check:
     """Every tied alias a folder stores is bit-equal to its partner (from_pretrained keeps only one)."""
-    notes, bad = [], []
+    notes: list = []
+    bad: list = []
     for group in tie_groups:
         present = [k for k in group if k in head.entries]
         for other in present[1:]:
             (notes if stored_equal(reader, head, present[0], other) else bad).append((other, present[0]))
     if bad:
-        return Check("tied", False, f"tied aliases differ from their partner: {examples(f'{a} != {b}' for a, b in bad)} "
+        differ = examples(f"{a} != {b}" for a, b in bad)
+        return Check("tied", False, f"tied aliases differ from their partner: {differ} "
                                     "(from_pretrained re-ties them and silently keeps only one)")
     if not notes:
         return Check("tied", True, "tied aliases not stored (transformers re-ties on load)")

@@ -15,15 +15,31 @@ imported; third-party bars and warnings are off meanwhile.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 from patcher.checkpoint.convert.report import CheckpointResult, ConvertReport, ConvertStatus, FolderResult
-from patcher.checkpoint.names import BIN_INDEX_NAME, BIN_NAME, CONFIG_NAME, INDEX_NAME, SINGLE_NAME, STAGING_PREFIX, examples
-from patcher.checkpoint.readers.bin import bin_files
+from patcher.checkpoint.names import (
+    BIN_INDEX_NAME,
+    BIN_NAME,
+    CONFIG_NAME,
+    INDEX_NAME,
+    SINGLE_NAME,
+    STAGING_PREFIX,
+    examples,
+)
+from patcher.checkpoint.readers.bin import BinFolder, bin_files
 from patcher.checkpoint.readers.find import (
-    Chosen, choose_checkpoint, config_for, contents, is_engine_checkpoint, model_folders, producer_of,
-    run_checkpoints, step_folder,
+    Chosen,
+    choose_checkpoint,
+    config_for,
+    contents,
+    is_engine_checkpoint,
+    model_folders,
+    producer_of,
+    run_checkpoints,
+    step_folder,
 )
 from patcher.checkpoint.write import PROGRESS_MIN_BYTES, Job, write
 from patcher.checkpoint.write.files import clear_stale, fsync
@@ -92,21 +108,21 @@ def convert_checkpoint(path, config, output, *, tag: Optional[str] = None, dtype
         if isinstance(reader, lora.FusedLoRA):
             plan.checks.append(reader.check())
         root = step.parent if step != chosen.path else chosen.path
-        base = dict(path=str(path), output=str(output), tag=source.tag, world=source.world, stage=source.stage,
-                    precision=source.precision, dtype=str(written_dtype).replace("torch.", ""), strategy=strategy,
-                    universal=source.kind == "universal", checkpoint=str(chosen.path), chosen=chosen.note,
-                    producer=producer_of(root), config=str(config), config_own=own, lora=fusing)
+        failed = CheckpointResult(
+            path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False, checks=tuple(plan.checks),
+            tag=source.tag, world=source.world, stage=source.stage, precision=source.precision,
+            dtype=str(written_dtype).replace("torch.", ""), strategy=strategy, universal=source.kind == "universal",
+            checkpoint=str(chosen.path), chosen=chosen.note, producer=producer_of(root), config=str(config),
+            config_own=own, lora=fusing, note="a check failed before writing")
         if not plan.ok:
-            return CheckpointResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(plan.checks),
-                                    note="a check failed before writing", **base)
+            return failed
         job = Job(reader, output, False, config, plan, load, max_shard_size)
         done = write([job], console, progress_min_bytes)[0]
-    tensors = len(plan.entries)
     if not done.ok:
-        return CheckpointResult(status=ConvertStatus.FAILED, ok=False, checks=tuple(done.checks), tensors=tensors,
-                                note="a check of the written folder failed", **base)
-    return CheckpointResult(status=ConvertStatus.CONVERTED, ok=True, checks=tuple(done.checks), tensors=tensors,
-                            written=tuple(done.names), bytes_written=done.nbytes, **base)
+        return replace(failed, checks=tuple(done.checks), tensors=len(plan.entries),
+                       note="a check of the written folder failed")
+    return replace(failed, status=ConvertStatus.CONVERTED, ok=True, checks=tuple(done.checks), note="",
+                   tensors=len(plan.entries), written=tuple(done.names), bytes_written=done.nbytes)
 
 
 def _check_output(path, output, lora_scaling) -> Path:
@@ -135,7 +151,6 @@ def convert_in_place(path, *, strategy: str = "clone", remove_bin: bool = False,
     """Every model folder under ``path`` (a step-3 folder's actor/, critic/, actor_ema/): all or none."""
     from patcher.checkpoint.check.model import load_config
     from patcher.checkpoint.quiet import quiet
-    from patcher.checkpoint.readers.bin import BinFolder
     from patcher.checkpoint.write.plan import make_plan
 
     folders = model_folders(path)
@@ -165,7 +180,7 @@ def convert_in_place(path, *, strategy: str = "clone", remove_bin: bool = False,
             results.setdefault(job.target, _folder_result(job, strategy, ConvertStatus.NOT_WRITTEN))
     else:
         for done in staged:
-            removed = _remove_bins(done.job.target, done.job.reader) if remove_bin else []
+            removed = _remove_bins(done.job.target, done.job.reader) if remove_bin else ()
             results[done.job.target] = _folder_result(done.job, strategy, ConvertStatus.CONVERTED, done.checks,
                                                       written=done.names, nbytes=done.nbytes, removed=removed)
     return ConvertReport(str(path), strategy, tuple(results[f] for f in folders))
@@ -194,18 +209,18 @@ def _already(folder: Path) -> Optional[str]:
 def _folder_result(job: Job, strategy: str, status: ConvertStatus, checks: Optional[list] = None,
                    written: tuple = (), nbytes: int = 0, removed: tuple = ()) -> FolderResult:
     plan, reader = job.plan, job.reader
-    common = dict(kind=plan.kind, strategy=strategy, source=tuple(reader.sources))
+    assert isinstance(reader, BinFolder)
+    result = FolderResult(str(job.target), status, status is ConvertStatus.CONVERTED, tuple(checks or ()),
+                          kind=plan.kind, strategy=strategy, source=tuple(reader.sources))
     if status is ConvertStatus.NOT_WRITTEN:
-        return FolderResult(str(job.target), status, False, **common, note="another folder failed a check; nothing written")
+        return replace(result, note="another folder failed a check; nothing written")
     if status is ConvertStatus.FAILED:
-        return FolderResult(str(job.target), status, False, tuple(checks or ()), **common, mmap=reader.mmap,
-                            tensors=len(plan.entries) or None)
-    return FolderResult(str(job.target), status, True, tuple(checks or ()), **common, written=tuple(written),
-                        tensors=len(plan.entries), restored=tuple(plan.restored), dropped=tuple(plan.dropped),
-                        removed=tuple(removed), bytes_written=nbytes, mmap=reader.mmap)
+        return replace(result, mmap=reader.mmap, tensors=len(plan.entries) or None)
+    return replace(result, written=tuple(written), tensors=len(plan.entries), restored=tuple(plan.restored),
+                   dropped=tuple(plan.dropped), removed=tuple(removed), bytes_written=nbytes, mmap=reader.mmap)
 
 
-def _remove_bins(folder: Path, reader: Any) -> list:
+def _remove_bins(folder: Path, reader: Any) -> tuple:
     names = list(reader.sources) + ([BIN_INDEX_NAME] if reader.sharded else [])
     removed = []
     for name in names:
@@ -217,4 +232,4 @@ def _remove_bins(folder: Path, reader: Any) -> list:
         except OSError as e:
             raise DsfixError(f"converted, but cannot remove {name}: {e.strerror or e}", path=str(folder)) from e
     fsync(folder)
-    return removed
+    return tuple(removed)

@@ -17,9 +17,10 @@ with them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Optional
+from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Optional, TypeVar
 
 Put = Callable[[str, int, Any], None]  # put(tensor name, its first element here, flat data)
+R = TypeVar("R", bound="Reader")
 
 
 class Held(NamedTuple):
@@ -96,7 +97,7 @@ class Reader:
     def close(self) -> None:
         """Lets go of what the reader holds open (memory-mapped files)."""
 
-    def __enter__(self) -> "Reader":
+    def __enter__(self: R) -> R:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -23,7 +23,8 @@ from patcher.checkpoint.readers.base import Held, Put, Reader, numel
 from patcher.checkpoint.readers.load import load_deepspeed
 from patcher.errors import DsfixError
 
-OPTIM_RE = re.compile(r"^(?:(?P<prec>bf16|fp16|fp32)_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+OPTIM_RE = re.compile(r"^(?:(?P<prec>bf16|fp16|fp32)_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)"
+                      r"_optim_states\.pt$")
 MODEL3_RE = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 MODEL12 = "mp_rank_00_model_states.pt"
 TRAIN_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -115,7 +116,8 @@ class EngineReader(Reader):
         self.meta = load_deepspeed(self.model_files[0])
         for key in ("param_shapes", "shared_params"):
             if key not in self.meta:
-                raise DsfixError(f"no {key}: not a model_states file of a ZeRO checkpoint", path=str(self.model_files[0]))
+                raise DsfixError(f"no {key}: not a model_states file of a ZeRO checkpoint",
+                                 path=str(self.model_files[0]))
         refuse.model_states(self.meta, self.model_files[0])
         self.stage = self._first_stage()
         files = self.rank_files_read
@@ -216,7 +218,7 @@ class EngineReader(Reader):
                 raise DsfixError(f"its flat partitions hold {sizes} elements, rank 0's {sizes0}: files of two saves?",
                                  path=str(path))
             for p in (p for p in pieces if p.rank == rank):
-                put(p.name, p.dst, flat[p.group].narrow(0, p.src, p.count))
+                put(p.name, p.dst, flat[p.group].narrow(0, p.src, p.length))
             del osd, flat
             self.stream_frozen(rank, put)
 

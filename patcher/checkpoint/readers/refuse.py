@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
 from patcher.errors import DsfixError
 
 ADAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "step", "max_exp_avg_sq"})
@@ -63,20 +64,20 @@ def model_states(meta: dict, path) -> None:
             raise refused(f"tensor parallelism ({what} {value})", path)
     if _above_one(dims.get("pp_degree")):
         raise refused(f"pipeline parallelism (pp_degree {dims['pp_degree']})", path)
-    config = meta.get("ds_config") if isinstance(meta.get("ds_config"), dict) else {}
-    tp = config.get("tensor_parallel") if isinstance(config.get("tensor_parallel"), dict) else {}
+    config = section(meta, "ds_config")
+    tp = section(config, "tensor_parallel")
     if _above_one(tp.get("autotp_size")) or _above_one(tp.get("tp_size")):
         raise refused(f"AutoTP tensor parallelism (tensor_parallel {_short(tp)} in the saved config)", path)
     for key in ("ds_autoep_layers", "autoep_layers"):
         if meta.get(key):
             raise refused(f"AutoEP expert parallelism ({key} recorded)", path)
-    ep = config.get("expert_parallel") if isinstance(config.get("expert_parallel"), dict) else {}
+    ep = section(config, "expert_parallel")
     if ep.get("enabled"):
         raise refused(f"AutoEP expert parallelism (expert_parallel {_short(ep)} in the saved config)", path)
-    info = meta.get("universal_checkpoint_info") if isinstance(meta.get("universal_checkpoint_info"), dict) else {}
+    info = section(meta, "universal_checkpoint_info")
     if info.get("ds_autoep_layers"):
         raise refused("AutoEP expert parallelism (universal_checkpoint_info records expert layers)", path)
-    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+    optimizer = section(config, "optimizer")
     kind = str(optimizer.get("type", ""))
     if "muon" in kind.lower():
         raise refused(f"a {kind} optimizer (the saved config's optimizer type), whose states are not Adam's", path)
@@ -121,6 +122,12 @@ def _states_and_groups(inner) -> tuple[list, list]:
     states = list(state.values()) if isinstance(state, dict) else []
     groups = inner.get("param_groups")
     return states, groups if isinstance(groups, list) else []
+
+
+def section(mapping: dict, key: str) -> dict:
+    """``mapping[key]`` when it is a dict (a saved config's section), else an empty one."""
+    value = mapping.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def _above_one(value) -> bool:

@@ -92,7 +92,8 @@ def weight_files(folder: Path) -> tuple[list, Optional[dict], list]:
         return [SINGLE_NAME], None, []
     others = sorted(p.name for p in folder.glob("*.safetensors"))
     if others:
-        return others, None, [f"no {SINGLE_NAME} or {INDEX_NAME}; found {examples(others)}, which from_pretrained ignores"]
+        ignored = f"no {SINGLE_NAME} or {INDEX_NAME}; found {examples(others)}, which from_pretrained ignores"
+        return others, None, [ignored]
     bins = sorted(p.name for p in folder.glob("*.bin"))
     if bins:
         raise DsfixError(f"no safetensors weights, only {examples(bins)} (a pickle save); nothing to verify "

@@ -34,9 +34,7 @@ WEIGHT_FILE = "fp32.pt"
 
 def stage_of(meta: dict) -> Optional[int]:
     """The ZeRO stage the checkpoint was trained with, as its saved config says (None when it does not)."""
-    config = meta.get("ds_config") if isinstance(meta.get("ds_config"), dict) else {}
-    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-    stage = zero.get("stage")
+    stage = refuse.section(refuse.section(meta, "ds_config"), "zero_optimization").get("stage")
     return int(stage) if isinstance(stage, int) else None
 
 

@@ -19,7 +19,7 @@ from patcher.errors import DsfixError
 
 
 class Piece(NamedTuple):
-    """``count`` elements of parameter ``name`` from element ``dst`` on, found in rank ``rank``'s flat group
+    """``length`` elements of parameter ``name`` from element ``dst`` on, found in rank ``rank``'s flat group
     ``group`` from element ``src`` on."""
 
     rank: int
@@ -27,7 +27,7 @@ class Piece(NamedTuple):
     src: int
     name: str
     dst: int
-    count: int
+    length: int
 
 
 def pieces(groups: list, partition: list, world: int, paddings: Optional[list] = None) -> list:

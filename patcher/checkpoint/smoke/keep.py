@@ -14,7 +14,6 @@ from pathlib import Path
 
 from patcher.errors import DsfixError, refuse_file
 
-
 KEEP_MARKER = ".dsfix-smoke-running"  # in the --keep folder while smoke writes into it: the pid of that smoke
 
 

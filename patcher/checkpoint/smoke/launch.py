@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from patcher.checkpoint.smoke.ranks import free_port, rank_env
 
@@ -23,7 +24,8 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the folder that holds pat
 
 def worker_env(device: str, nproc: int) -> dict:
     env = rank_env(nproc=nproc) if device == "cpu" else dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT)] + paths)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -100,6 +102,7 @@ class capture_stdout:
     def __enter__(self):
         sys.stdout.flush()
         self._file = open(self.path, "w+", encoding="utf-8", errors="replace")
+        self._saved: Optional[int] = None
         try:
             self._saved = os.dup(1)
             os.dup2(self._file.fileno(), 1)

@@ -84,7 +84,8 @@ def print_report(report: SmokeReport, console) -> None:
     t = ", ".join(f"{k} {v:.1f}s" for k, v in report.timings.items())
     mem = ", ".join(f"{k} {v} MB" for k, v in report.peak_rss_mb.items() if v is not None)
     console.print(f"timings: {escape(t)}")
-    console.print(f"peak host RSS: {escape(mem)}" + (f"; CUDA peak: {report.cuda_peak_mb}" if report.cuda_peak_mb else ""))
+    cuda = f"; CUDA peak: {report.cuda_peak_mb}" if report.cuda_peak_mb else ""
+    console.print(f"peak host RSS: {escape(mem)}{cuda}")
     if report.output_dir:
         console.print(f"kept the saved folder in {escape(report.output_dir)}")
     if not report.ok and report.log_tail:

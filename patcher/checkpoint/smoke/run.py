@@ -21,18 +21,18 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from patcher.checkpoint.check.headers import Check
+from patcher.checkpoint.check.load import load_check
+from patcher.checkpoint.check.verify import verify_folder
 from patcher.checkpoint.progress import Progress
 from patcher.checkpoint.quiet import import_torch_quietly, quiet
 from patcher.checkpoint.smoke.keep import check_keep, out_folder
 from patcher.checkpoint.smoke.launch import capture_stdout, launch, launcher_command, tail
+from patcher.checkpoint.smoke.report import SmokeReport
 from patcher.errors import DsfixError, Written, need_folder, stop_point
+from patcher.patch.names import SAVE_HF, SAVE_Z3
 from patcher.prereq import require
 from patcher.resources import BUNDLED_CONFIG, BUNDLED_TENSORS, resource_path
-from patcher.checkpoint.check.headers import Check
-from patcher.checkpoint.check.load import load_check
-from patcher.checkpoint.check.verify import verify_folder
-from patcher.checkpoint.smoke.report import SmokeReport
-from patcher.patch.names import SAVE_HF, SAVE_Z3
 
 DTYPES = ("bf16", "fp16", "fp32")
 _RANK_CHECKS = ("functions", "setup", "save")  # checks about the ranks themselves; their log tail helps
@@ -333,5 +333,6 @@ def _reload_checks(spec: dict, device: str) -> list:
         out.append(Check("logits", False, f"reloaded logits differ from the in-memory model's: max |diff| {diff:.3g} "
                                           f"over {want.numel()} values ({got.dtype})"))
         return out
-    out.append(Check("logits", True, f"reloaded model reproduces the in-memory logits (max |diff| {diff:.3g}, {got.dtype})"))
+    out.append(Check("logits", True,
+                     f"reloaded model reproduces the in-memory logits (max |diff| {diff:.3g}, {got.dtype})"))
     return out

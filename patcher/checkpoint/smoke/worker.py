@@ -21,6 +21,7 @@ import time
 import traceback
 from argparse import Namespace
 from pathlib import Path
+from typing import Optional
 
 from patcher.checkpoint.smoke.ranks import skip_shm_allreduce
 from patcher.patch.names import SAVE_HF, SAVE_Z3, is_dsfix_name
@@ -73,7 +74,9 @@ def extract_definitions(utils_path) -> tuple[dict, list]:
 
     path = str(utils_path)
     tree = ast.parse(Path(path).read_bytes(), filename=path)
-    flags, imports, defs = 0, [], []
+    flags = 0
+    imports: list = []
+    defs: list = []
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module == "__future__":
             for alias in node.names:
@@ -114,7 +117,7 @@ def _is_dsfix_definition(node) -> bool:
 
 def _save_module_names(imports: list) -> set:
     """The names the save module is bound to by these import statements (a try's branches included)."""
-    names = set()
+    names: set = set()
     for node in imports:
         for sub in ast.walk(node):
             if isinstance(sub, (ast.Import, ast.ImportFrom)):
@@ -134,6 +137,8 @@ def _load_save_module(path: Path):
         raise ImportError(f"utils.py imports {SAVE_MODULE}, but there is no {path.name} beside it")
     name = f"dsfix_smoke_extracted_{SAVE_MODULE}"
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} cannot be loaded as a module")
     module = importlib.util.module_from_spec(spec)
     saved = sys.modules.get(name)
     sys.modules[name] = module  # dataclasses and typing look a module up by name while it runs
@@ -163,6 +168,7 @@ def load_save_functions(utils_path, import_root, module_name) -> tuple[dict, str
     """({name: function}, "import" or "ast", a sentence on how, a note worth a warning or None). Import the
     normal way, else extract with ast."""
     utils_path = Path(utils_path).resolve()
+    note: Optional[str]
     try:
         mod = _import_isolated(str(import_root), module_name)
         where = Path(getattr(mod, "__file__", "") or "").resolve()
@@ -194,7 +200,10 @@ def make_tiny_tokenizer(folder):
 
     from patcher.resources import resource_path
 
-    spec = importlib.util.spec_from_file_location("dsfix_tiny_qwen3", resource_path("fixtures", "step1_trainer/tiny_qwen3.py"))
+    spec = importlib.util.spec_from_file_location("dsfix_tiny_qwen3", resource_path("fixtures",
+                                                                                   "step1_trainer/tiny_qwen3.py"))
+    if spec is None or spec.loader is None:
+        raise ImportError("the bundled tiny_qwen3.py cannot be loaded")
     helper = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helper)
     return helper.tiny_qwen3_tokenizer(folder)
@@ -358,7 +367,8 @@ def _engine_phase(spec: dict, model, result: dict) -> tuple:
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(spec["dist_timeout"])))
     result["backend"] = backend
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # no optimizer state: low memory
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(int(spec["zero_stage"]), spec["dtype"]))
+    config = _ds_config(int(spec["zero_stage"]), spec["dtype"])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine, opt
 
 
@@ -428,7 +438,8 @@ def _finish(spec: dict, result: dict, captured, phase: _Phases, local_rank: int)
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m torch.distributed.run ... -m patcher.checkpoint.smoke.worker SPEC.json", file=sys.stderr)
+        print("usage: python -m torch.distributed.run ... -m patcher.checkpoint.smoke.worker SPEC.json",
+              file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     spec["distributed"] = True

@@ -62,9 +62,9 @@ def _module(prefix: str, shapes: dict, where) -> Module:
     missing = [n for n in (weight, right, left) if n not in shapes]
     if missing:
         raise DsfixError(f"refused: LoRA layer {prefix} lacks {examples(missing)}; nothing written", path=str(where))
-    w, r, l = (tuple(int(d) for d in shapes[n]) for n in (weight, right, left))
-    if len(w) != 2 or len(r) != 2 or len(l) != 2 or r != (w[1], r[1]) or l != (r[1], w[0]) or r[1] < 1:
-        raise DsfixError(f"refused: LoRA layer {prefix}: weight {list(w)}, {RIGHT} {list(r)}, {LEFT} {list(l)} are "
+    w, r, lt = (tuple(int(d) for d in shapes[n]) for n in (weight, right, left))
+    if not (len(w) == len(r) == len(lt) == 2 and r == (w[1], r[1]) and lt == (r[1], w[0]) and r[1] >= 1):
+        raise DsfixError(f"refused: LoRA layer {prefix}: weight {list(w)}, {RIGHT} {list(r)}, {LEFT} {list(lt)} are "
                          "not LinearLayer_LoRA's (out x in, in x r, r x out); nothing written", path=str(where))
     return Module(weight, right, left, w[0], w[1], r[1])
 
@@ -82,7 +82,8 @@ def describe(modules: list, lora_scaling: float, dtype) -> str:
     scalings = ", ".join(f"{lora_scaling:g} / {r} = {lora_scaling / r:g}" for r in ranks)
     return (f"fused {len(modules)} LinearLayer_LoRA layer(s) into their weights as convert_lora_to_linear_layer does: "
             f"weight += scaling * (left.T @ right.T) in {str(dtype).replace('torch.', '')}, scaling = lora_scaling "
-            f"/ r = {scalings} (lora_scaling {lora_scaling:g}: {'step 1' if lora_scaling == DEFAULT_SCALING else 'given'})")
+            f"/ r = {scalings} (lora_scaling {lora_scaling:g}: "
+            f"{'step 1' if lora_scaling == DEFAULT_SCALING else 'given'})")
 
 
 class Fuser:
@@ -118,7 +119,8 @@ class Fuser:
 
     def finish(self) -> None:
         """Every element of every factor and weight is in; each module fused and passed on."""
-        short = [f"{n} ({self.seen[n]} of {self.numels[n]} elements)" for n in self.seen if self.seen[n] != self.numels[n]]
+        short = [f"{n} ({self.seen[n]} of {self.numels[n]} elements)" for n in self.seen
+                 if self.seen[n] != self.numels[n]]
         if short:
             raise DsfixError(f"the checkpoint does not hold every element of the LoRA layers: {examples(short)}; "
                              "nothing written")

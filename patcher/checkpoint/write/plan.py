@@ -79,7 +79,8 @@ def out_dtype(requested: str, cfg_dtype: Optional[str], reader: Reader) -> Any:
         return None
     name = str(cfg_dtype or "float32").replace("torch.", "")
     if name not in DTYPES.values():
-        raise DsfixError(f"--dtype auto: config.json's torch_dtype {cfg_dtype!r} is not bf16, fp16 or fp32; pass --dtype")
+        raise DsfixError(f"--dtype auto: config.json's torch_dtype {cfg_dtype!r} is not bf16, fp16 or fp32; "
+                         "pass --dtype")
     return getattr(torch, name)
 
 

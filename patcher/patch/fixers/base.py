@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
+from patcher.errors import DsfixError
 from patcher.patch.names import is_dsfix_name
 
 MARKER_PREFIX = "# dsfix:"
@@ -31,6 +32,14 @@ class Target:
     data: bytes | None
     step: int | None = None  # scripts: the DeepSpeed-Chat step they run (1, 2, 3)
     modules: tuple = ()  # scripts: the dotted names under which they import utils.py
+
+    @property
+    def content(self) -> bytes:
+        """``data``, of a file that must be there: every fixer's but the save module's (``optional``), whose
+        missing files plan_apply refuses before it asks them."""
+        if self.data is None:
+            raise DsfixError("no such file", path=self.rel)
+        return self.data
 
     @property
     def role(self) -> str:
@@ -80,6 +89,12 @@ class Context:
     defs: dict | None = None  # old save name -> signature.SaveDef, once the utils fixer has read them
     module_import: str | None = None  # how utils.py imports the save module, where no script tells
 
+    def saves(self) -> dict:
+        """``defs``: utils.py is planned before the scripts, so its fixer has read them when a script needs them."""
+        if self.defs is None:
+            raise RuntimeError("the save functions are read from utils.py before any script is planned")
+        return self.defs
+
 
 class Fixer:
     """The protocol. ``kind`` names the files it owns; ``optional``: the file may not exist before apply."""
@@ -94,8 +109,8 @@ class Fixer:
         refuse, naming the line."""
         raise NotImplementedError
 
-    def guard(self, target: Target, new: bytes | None, ctx: Context) -> None:
-        """After every target is planned: refuse what the patched file could still do wrong."""
+    def guard(self, target: Target, new: bytes, ctx: Context) -> None:
+        """After every target is planned: refuse what the patched file (``new``) could still do wrong."""
 
     def unpatch(self, data: bytes, target: Target, force: bool = False) -> tuple:
         """(the file without dsfix's change, notes): structural, the user's other edits kept; None when the
@@ -124,18 +139,18 @@ def make_marker(version: int, fields: dict, tail: str = "inserted by dsfix; undo
     return f"{MARKER_PREFIX} {text} -- {tail}"
 
 
-def parse_marker(text: str) -> dict | None:
+def parse_marker(text: str) -> dict[str, str] | None:
     m = MARKER_RE.match(text)
     if not m:
         return None
-    out = {}
+    out: dict[str, str] = {}
     for tok in m.group("fields").split():
         key, _, value = tok.partition("=")
         out[key] = value
     return out if "template" in out else None
 
 
-def find_marker(module: cst.Module) -> dict | None:
+def find_marker(module: cst.Module) -> dict[str, str] | None:
     for stmt in module.body:
         for line in getattr(stmt, "leading_lines", ()):
             if line.comment is not None:

@@ -7,11 +7,23 @@ output saved as safetensors (or the .bin, with ``weights_only=True``).
 from __future__ import annotations
 
 import libcst as cst
+from libcst.helpers import ensure_type
 
 from patcher.errors import DsfixError
 from patcher.patch import imports
-from patcher.patch.fixers.base import (Context, Fixer, Patched, Target, dsfix_text, find_marker, in_style,
-                                       is_dsfix_statement, make_marker, placeholder, with_block)
+from patcher.patch.fixers.base import (
+    Context,
+    Fixer,
+    Patched,
+    Target,
+    dsfix_text,
+    find_marker,
+    in_style,
+    is_dsfix_statement,
+    make_marker,
+    placeholder,
+    with_block,
+)
 from patcher.patch.imports import ImportSpec
 from patcher.patch.names import dotted
 from patcher.patch.source import encode, parse_cst, render
@@ -28,7 +40,7 @@ class _LoaderCalls(cst.CSTTransformer):
     def __init__(self, back: dict | None = None):
         super().__init__()
         self.back = back
-        self.renamed = {}
+        self.renamed: dict[str, str] = {}
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         func = updated.func
@@ -71,14 +83,14 @@ class LoaderFixer(Fixer):
 
     def patch(self, target: Target, ctx: Context) -> Patched:
         tpl = load_loader()
-        module = parse_cst(target.data, target.rel)
+        module = parse_cst(target.content, target.rel)
         info = find_marker(module)
         base = take_out_loader(module) if info else module
         at = next((i for i, s in enumerate(base.body) if _is_loader(s)), None)
         if at is None:
             raise DsfixError(f"has no top-level function {LOADER_FUNCTION} (step 3's critic loader) to adapt")
         editor = _LoaderCalls()
-        fn = base.body[at].visit(editor)
+        fn = ensure_type(base.body[at].visit(editor), cst.FunctionDef)  # the transformer edits only calls
         if "_dsfix_load_checkpoint" not in editor.renamed:
             raise DsfixError(f"{LOADER_FUNCTION} loads no checkpoint with torch.load; dsfix does not know how it "
                              "reads the step-2 output")

@@ -9,14 +9,17 @@ refuses a patched script that could still reach an original save function by a r
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import libcst as cst
 
 from patcher.errors import DsfixError
 from patcher.patch import calls, imports, signature
 from patcher.patch.fixers.base import Context, Fixer, Patched, Target
-from patcher.patch.imports import alias_name, bound_name, from_module
+from patcher.patch.imports import alias_name, bound_name, from_module, from_names
 from patcher.patch.names import NEW_NAMES, RENAMES, SAVE_NAMES, last_name
 from patcher.patch.source import Decoded, newline_of, parse_script
+
 
 def _realign(call: cst.Call, found, delta: int) -> cst.Call:
     """Keep arguments that were aligned under the opening parenthesis aligned after a rename."""
@@ -35,7 +38,8 @@ def _realign(call: cst.Call, found, delta: int) -> cst.Call:
     for i, arg in enumerate(call.args):
         nxt = found.args[i + 1] if i + 1 < len(found.args) else None
         if isinstance(arg.comma, cst.Comma):
-            arg = arg.with_changes(comma=arg.comma.with_changes(whitespace_after=shift(arg.comma.whitespace_after, nxt)))
+            comma = arg.comma.with_changes(whitespace_after=shift(arg.comma.whitespace_after, nxt))
+            arg = arg.with_changes(comma=comma)
         args.append(arg)
     first = found.args[0] if found.args else None
     return call.with_changes(args=args, whitespace_before_args=shift(call.whitespace_before_args, first))
@@ -52,12 +56,12 @@ class _MainEditor(cst.CSTTransformer):
         self.renames = renames  # candidate index -> (SaveCall, new name)
         self.imports = editor
         self.first = first
-        self.index = {}  # id(original Call) -> candidate index
-        self.seen = []
+        self.index: dict[int, int] = {}  # id(original Call) -> candidate index
+        self.seen: list[str] = []
 
     def visit_Call(self, node: cst.Call) -> None:
         callee = last_name(node.func)
-        if callee in self.callees:
+        if callee is not None and callee in self.callees:
             self.index[id(node)] = self.first + len(self.seen)
             self.seen.append(callee)
 
@@ -67,11 +71,12 @@ class _MainEditor(cst.CSTTransformer):
             return updated
         found, new = self.renames[at]
         func = updated.func
-        old = last_name(func)
         if isinstance(func, cst.Name):
-            updated = updated.with_changes(func=func.with_changes(value=new))
-        else:
-            updated = updated.with_changes(func=func.with_changes(attr=cst.Name(new)))
+            old, updated = func.value, updated.with_changes(func=func.with_changes(value=new))
+        elif isinstance(func, cst.Attribute):
+            old, updated = func.attr.value, updated.with_changes(func=func.with_changes(attr=cst.Name(new)))
+        else:  # pragma: no cover - a candidate is a call of a name (last_name above)
+            return updated
         return _realign(updated, found, len(new) - len(old))
 
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom):
@@ -88,12 +93,12 @@ class _ImportEditor:
         self.still_used = still_used  # old names still read after the call rewrite
         self.needed = needed  # new names read bare after the rewrite (so they must be imported)
         self.imported = imported  # names already imported (without an alias) from the utils module
-        self.notes = []
+        self.notes: list[str] = []
 
     def edit(self, node: cst.ImportFrom) -> cst.ImportFrom:
         if from_module(node) not in self.modules:
             return node
-        names = list(node.names)
+        names = list(from_names(node))
         k = 0
         while k < len(names):
             alias = names[k]
@@ -129,13 +134,13 @@ class _ImportEditor:
 TRACKED = tuple(RENAMES) + tuple(NEW_NAMES)
 
 
-def find_save_calls(data: bytes, modules: tuple, rel: str = "main.py") -> tuple:
+def find_save_calls(data: bytes, modules: tuple, rel: str = "main.py") -> tuple[Decoded, calls.ScriptCalls]:
     """(decoded text, calls.ScriptCalls) for a script."""
     tree, decoded = parse_script(data, rel)
     return decoded, calls.find_calls(tree, decoded.text, modules, TRACKED, strings=tuple(RENAMES))
 
 
-def _spliced(text: str, base: int, splices: list) -> str:
+def _spliced(text: str, base: int, splices: Sequence[tuple[int, int, str]]) -> str:
     """``text`` (found at offset ``base`` of the whole script) with the splices that fall inside it made."""
     out, at = [], 0
     for start, end, new in splices:
@@ -146,7 +151,7 @@ def _spliced(text: str, base: int, splices: list) -> str:
 
 
 def _edit(text: str, found: calls.ScriptCalls, renames: dict, import_editor: "_ImportEditor", newline: str,
-          splices: list = ()) -> str:
+          splices: Sequence[tuple[int, int, str]] = ()) -> str:
     """Run the editor over each statement to edit, each parsed by libcst on its own, and splice the results
     back into ``text``: every other character stays as it was. A statement whose text is not a module by
     itself (an if/for/def holding a call in its header) makes libcst parse the whole file instead.
@@ -215,8 +220,9 @@ def _call_note(old: str, how: str, new: str) -> str:
     return f"{how}(...) now calls {new} (its import is renamed)"
 
 
-def _dedupe(items):
-    seen, out = {}, []
+def _dedupe(items: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
     for it in items:
         seen[it] = seen.get(it, 0) + 1
     for it, n in seen.items():
@@ -269,8 +275,8 @@ class ScriptFixer(Fixer):
     rank = 3
 
     def patch(self, target: Target, ctx: Context) -> Patched:
-        decoded, found = find_save_calls(target.data, target.modules, target.rel)
-        _check_uses(found, ctx.defs)
+        decoded, found = find_save_calls(target.content, target.modules, target.rel)
+        _check_uses(found, ctx.saves())
         old = [c for c in found.calls if c.name in RENAMES]
         values = [u for u in found.uses if u.name in RENAMES]
         res = rename_calls(decoded, found, RENAMES, target.modules)
@@ -279,8 +285,8 @@ class ScriptFixer(Fixer):
         res.warnings = [f"{target.rel}:{w}" for w in unconfigured_saves(found.calls)] if old or not values else []
         return res
 
-    def guard(self, target: Target, new: bytes | None, ctx: Context) -> None:
-        tree, decoded = parse_script(target.data, target.rel)  # the imports, which the rename leaves as they bind
+    def guard(self, target: Target, new: bytes, ctx: Context) -> None:
+        tree, decoded = parse_script(target.content, target.rel)  # the imports, which the rename leaves as they bind
         if not calls.may_reach(tree, decoded.text, target.modules):
             return
         tree, decoded = parse_script(new, target.rel)

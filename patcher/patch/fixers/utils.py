@@ -25,12 +25,18 @@ import libcst as cst
 from patcher.errors import DsfixError
 from patcher.patch import calls, imports, signature
 from patcher.patch.fixers.base import (
-    PLACEHOLDER, Context, Fixer, Patched, Target, in_style, make_marker, parse_marker, put_block,
+    PLACEHOLDER,
+    Context,
+    Fixer,
+    Patched,
+    Target,
+    in_style,
+    make_marker,
+    parse_marker,
+    put_block,
 )
 from patcher.patch.imports import ImportSpec
-from patcher.patch.names import (
-    PUBLIC_NAMES, SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, ast_defined_name, is_dsfix_name,
-)
+from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE, SAVE_MODULE_FILE, SAVE_NAMES, ast_defined_name, is_dsfix_name
 from patcher.patch.source import Source, encode, newline_of, parse_script
 from patcher.patch.template import module_version
 
@@ -150,7 +156,9 @@ def _import_edit(f: _File, i: int, names: set) -> tuple:
     if all(b in names for b in bound):
         return (*f.extent(i), "")
     stmt = cst.parse_statement(f.segment(i))
-    small = stmt.body[0]
+    small = imports.top_import(stmt)
+    if small is None or isinstance(small.names, cst.ImportStar):  # not a list of names: left as it is
+        return f.start(i), f.end(i), f.segment(i)
     kept = list(small.names)
     for k in reversed(range(len(kept))):
         if imports.bound_name(kept[k]) in names:
@@ -159,7 +167,7 @@ def _import_edit(f: _File, i: int, names: set) -> tuple:
     return f.start(i), f.end(i), new
 
 
-def _recorded_import(f: _File, spec: ImportSpec) -> tuple | None:
+def _recorded_import(f: _File, spec: ImportSpec) -> tuple[int, str] | None:
     """(statement index, bound name) of the import the marker records as added by dsfix, if still there."""
     for i, node in enumerate(f.body):
         if spec.name is None and isinstance(node, ast.Import):
@@ -183,7 +191,7 @@ def take_out(f: _File, keep_replaced: bool = False, mark: bool = False) -> str:
                          "state folder, which is gone, so it cannot be restored structurally", code=1)
     edits = _cut(f, f.dsfix_statements(), mark)
     edits += _cut(f, [i for i in range(len(f.body)) if f.module_import(i)], False)
-    by_statement = {}
+    by_statement: dict[int, set[str]] = {}
     for token in filter(None, (info.get("added-imports") or "").split(",")):
         found = _recorded_import(f, ImportSpec.from_token(token))
         if found is not None:
@@ -215,7 +223,7 @@ def _orphans(before: _File, after: _File) -> tuple:
              and not any(a.name == "*" for a in node.names) for b, _q in imports.bindings(node)}
     used_before, used_after = calls.module_reads(before.text, bound), calls.module_reads(after.text, bound)
     dropped = sorted(b for b in bound if used_before[b] > 0 and used_after[b] == 0)
-    by_statement = {}
+    by_statement: dict[int, set[str]] = {}
     for b in dropped:
         by_statement.setdefault(bound[b], set()).add(b)
     return _spliced(after.text, [_import_edit(after, i, names) for i, names in by_statement.items()]), dropped
@@ -247,25 +255,26 @@ class UtilsFixer(Fixer):
     anchor = True
 
     def patch(self, target: Target, ctx: Context) -> Patched:
-        data, rel = target.data, target.rel
+        data, rel = target.content, target.rel
         patched = _File(data, rel)
         info = patched.marker or {}
         f = patched.again(take_out(patched, keep_replaced=True, mark=True)) if patched.marker else patched
         if not any(isinstance(s, ast.FunctionDef) and s.name == "save_hf_format" for s in f.body):
             raise DsfixError("has no top-level function save_hf_format to add the safetensors save beside")
-        ctx.defs = signature.find_defs(data, rel)
-        notes = [n for d in ctx.defs.values() for n in d.notes] if not patched.marker else []
+        ctx.defs = defs = signature.find_defs(data, rel)
+        notes = [n for d in defs.values() for n in d.notes] if not patched.marker else []
         hand = [ast_defined_name(f.body[i]) for i in f.dsfix_statements()]
         if hand:  # a hand-written copy (the widely copied fix): the wrappers take its place; imports it alone read go
             marked = PLACEHOLDER in f.text
             cut = f.again(_spliced(f.text, _cut(f, f.dsfix_statements(), not marked)))
             text, dropped = _orphans(f, cut)
             f = f.again(text)
-            notes += [f"replaced a hand-written {n} with dsfix's (the original is kept for `dsfix revert`)" for n in hand]
+            notes += [f"replaced a hand-written {n} with dsfix's (the original is kept for `dsfix revert`)"
+                      for n in hand]
             notes += [f"dropped the import of {d}, which only the replaced code used" for d in dropped]
         replaced = [r for r in [*info.get("replaced", "").split(","), *hand] if r]
         held = next((form for i in range(len(patched.body)) if (form := patched.module_import(i))), None)
-        text, added = self._assemble(f, ctx, import_form(ctx, held), list(dict.fromkeys(replaced)))
+        text, added = self._assemble(f, defs, ctx.strategy, import_form(ctx, held), list(dict.fromkeys(replaced)))
         out = encode(text, f.encoding, rel)
         if not patched.marker:
             imported = [MODULE_IMPORTS[import_form(ctx, held)].splitlines()[0], *(s.source() for s in added)]
@@ -275,13 +284,13 @@ class UtilsFixer(Fixer):
             notes[:0] = _update_notes(info, ctx.strategy)
         return Patched(out, notes if out != data else [])
 
-    def _assemble(self, f: _File, ctx: Context, form: str, replaced: list) -> tuple:
+    def _assemble(self, f: _File, defs: dict, strategy: str, form: str, replaced: list) -> tuple:
         """(the text with the imports added and the marked wrappers where the placeholder stands, else right
         after save_hf_format, the imports added)."""
-        body = wrappers(ctx.defs, ctx.strategy)
+        body = wrappers(defs, strategy)
         needed = [ImportSpec("os")] if re.search(r"\bos\.", body) and not imports.present_in(
             f.tree, ImportSpec("os")) else []
-        marker = make_marker(module_version(), {"strategy": ctx.strategy,
+        marker = make_marker(module_version(), {"strategy": strategy,
                                                 "added-imports": ",".join(s.token for s in needed),
                                                 "replaced": ",".join(replaced)}, TAIL)
         heads = "".join(s.source() + "\n" for s in needed) + MODULE_IMPORTS[form] + "\n"
@@ -318,13 +327,16 @@ class UtilsFixer(Fixer):
         if info.get("template") != f"v{module_version()}":
             return False  # an older dsfix's block: nothing to compare it with
         base, _ = self.unpatch(data, target)
-        strategy = info.get("strategy") if info.get("strategy") in ("clone", "dedupe") else "clone"
+        strategy = info.get("strategy") or "clone"
+        if strategy not in ("clone", "dedupe"):
+            strategy = "clone"
         held = next((form for i in range(len(f.body)) if (form := f.module_import(i))), None)
         redo = self.patch(Target(target.rel, "utils", base), Context(strategy, ctx.modules, module_import=held))
         return self.own_part(redo.new) != self.own_part(data)
 
 
 def _update_notes(info: dict, strategy: str) -> list:
-    what = [f"template {info.get('template')} -> v{module_version()}"] if info.get("template") != f"v{module_version()}" else []
+    current = f"v{module_version()}"
+    what = [f"template {info.get('template')} -> {current}"] if info.get("template") != current else []
     what += [f"strategy {info.get('strategy')} -> {strategy}"] if info.get("strategy") != strategy else []
     return ["updates dsfix's block: " + ", ".join(what)] if what else []
