@@ -139,18 +139,18 @@ def narrow_model(dtype="float32", seed=0):
 # --------------------------------------------------------------------------- the step-1-like trainer, launched
 
 
-def launch_ranks(script, args, nprocs: int = 2, env: dict | None = None):
+def launch_ranks(script, args, nprocs: int = 2, env: dict | None = None, timeout: int = LAUNCH_TIMEOUT_S):
     """deepspeed --num_gpus N SCRIPT ARGS on CPU ranks (``env``: variables to add); returns (returncode, output).
-    Skips without the launcher; fails, having killed the group, when it runs past LAUNCH_TIMEOUT_S."""
+    Skips without the launcher; fails, having killed the group, when it runs past ``timeout`` seconds."""
     launcher = deepspeed_launcher()
     if launcher is None:
         pytest.skip("the deepspeed launcher is not installed")
     cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(script)] + [str(a) for a in args]
     ranks = rank_env(nproc=nprocs)
     ranks.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    code, output = run_group(cmd, ranks, LAUNCH_TIMEOUT_S, cwd=str(REPO))
+    code, output = run_group(cmd, ranks, timeout, cwd=str(REPO))
     if code is None:
-        pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (LAUNCH_TIMEOUT_S, output[-4000:]))
+        pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (timeout, output[-4000:]))
     return code, output
 
 
