@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 torch = pytest.importorskip("torch")
 
-from patcher.checkpoint import engine  # noqa: E402
+from patcher.checkpoint.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,10 +109,10 @@ def test_a_trainer_run_folder_converts_its_last_checkpoint_with_no_other_flag(hf
     _assert_verified_and_tied(out, torch.bfloat16)
 
     # checkpoint-N named itself, or by --tag: the same files; --tag picks the earlier one
-    given = engine.convert_engine(run / "checkpoint-4", None, tmp_path / "given", load=False)
+    given = convert(run / "checkpoint-4", config=None, output=tmp_path / "given", load=False)
     assert given.ok and not given.chosen and given.config_own
     assert (tmp_path / "given" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
-    earlier = engine.convert_engine(run, None, tmp_path / "earlier", tag="checkpoint-2", load=False)
+    earlier = convert(run, config=None, output=tmp_path / "earlier", tag="checkpoint-2", load=False)
     assert earlier.ok and earlier.tag == "global_step2" and earlier.chosen.startswith("checkpoint-2 (as --tag names it")
     assert (tmp_path / "earlier" / "model.safetensors").read_bytes() != (out / "model.safetensors").read_bytes()
 
@@ -121,7 +121,7 @@ def test_a_trainer_zero3_checkpoint_is_the_engines_own_gathered_model(hf_runs, t
     runs, _ = hf_runs
     checkpoint = runs / "trainer_z3_bf16" / "checkpoint-2"
     assert not (checkpoint / "model.safetensors").exists()  # stage3_gather_16bit_weights_on_model_save: false
-    result = engine.convert_engine(checkpoint / "global_step2", None, tmp_path / "out")  # the step folder itself
+    result = convert(checkpoint / "global_step2", config=None, output=tmp_path / "out")  # the step folder itself
     assert result.ok, result.checks
     assert (result.stage, result.precision, result.dtype, result.config) == (3, "bf16", "bfloat16", str(checkpoint))
     _assert_bit_equal(tmp_path / "out", _reference(runs / "trainer_z3_bf16"))
@@ -129,11 +129,11 @@ def test_a_trainer_zero3_checkpoint_is_the_engines_own_gathered_model(hf_runs, t
 
     # trainer.save_model() without gathering wrote the engine's files into the output folder itself: the run
     # folder is then that final save (the same weights, after the last step); --tag checkpoint-2 still picks
-    final = engine.convert_engine(runs / "trainer_z3_bf16", None, tmp_path / "final", load=False)
+    final = convert(runs / "trainer_z3_bf16", config=None, output=tmp_path / "final", load=False)
     assert final.ok and not final.chosen and final.config == str(runs / "trainer_z3_bf16")
     written = (tmp_path / "out" / "model.safetensors").read_bytes()
     assert (tmp_path / "final" / "model.safetensors").read_bytes() == written
-    picked = engine.convert_engine(runs / "trainer_z3_bf16", None, tmp_path / "picked", tag="checkpoint-2", load=False)
+    picked = convert(runs / "trainer_z3_bf16", config=None, output=tmp_path / "picked", tag="checkpoint-2", load=False)
     assert picked.ok and picked.chosen.startswith("checkpoint-2 (as --tag names it")
 
 
@@ -175,11 +175,11 @@ def test_accelerate_save_state_converts_with_config(hf_runs, tmp_path):
     assert (state / "latest").read_text().strip() == "pytorch_model"
     assert sorted(p.name for p in state.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
     with pytest.raises(DsfixError) as info:  # no config beside accelerate's weights: one line says so
-        engine.convert_engine(state, None, tmp_path / "no-config")
+        convert(state, config=None, output=tmp_path / "no-config")
     assert info.value.message == ("no config.json here (accelerate's save_state writes none): convert needs --config "
                                   "MODEL_DIR, the model's folder")
     assert not (tmp_path / "no-config").exists()
-    result = engine.convert_engine(state, model_dir, tmp_path / "out")
+    result = convert(state, config=model_dir, output=tmp_path / "out")
     assert result.ok, result.checks
     assert (result.tag, result.producer, result.precision, result.config_own) == ("pytorch_model", "accelerate",
                                                                                   "bf16", False)
@@ -197,7 +197,7 @@ def test_the_converted_folder_follows_the_umask(hf_runs, tmp_path, umask, mode):
     os.chmod(out, 0o755)
     old = os.umask(umask)
     try:
-        result = engine.convert_engine(runs / "trainer_z2_bf16", None, out, load=False)
+        result = convert(runs / "trainer_z2_bf16", config=None, output=out, load=False)
     finally:
         os.umask(old)
     assert result.ok, result.checks
