@@ -622,8 +622,8 @@ def test_universal_fp32_is_bit_equal_to_zero_to_fp32(engine_checkpoints, univers
     result = convert(source if given == "root" else source / "global_step1_universal", config=model_dir, output=out,
                                    dtype="fp32")
     assert result.ok, result.checks
-    assert (result.universal, result.stage, result.world, result.tensors, result.tag) == \
-        (True, stage, 2, 311, "global_step1_universal")
+    assert (result.kind, result.stage, result.world, result.tensors, result.tag) == \
+        ("deepspeed-universal-checkpoint", stage, 2, 311, "global_step1_universal")
     assert result.to_dict()["kind"] == "deepspeed-universal-checkpoint" and "universal checkpoint" in result.describe()
     written, reference = _read(out), _zero_to_fp32(ckpt / f"zero{stage}")
     assert set(written) == set(reference) | {"lm_head.weight"}

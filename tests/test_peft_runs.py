@@ -240,3 +240,92 @@ def test_save_16bit_model_writes_a_bin_alone(peft_runs):
     # the pickle keeps the tie: both names, one storage
     assert saved["lm_head.weight"].untyped_storage().data_ptr() == \
         saved["model.embed_tokens.weight"].untyped_storage().data_ptr()
+
+
+# ----------------------------------------------------------------------------- dsfix on these runs
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}
+    env.update(NO_COLOR="1", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "patcher", *map(str, args)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    return p.returncode, p.stdout, p.stderr
+
+
+def _peft_load(base: Path, adapter: Path):
+    """PeftModel.from_pretrained(base, adapter) as a user runs it; and the adapter's keys PEFT found missing or
+    unexpected, loading it once more into that model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    model = PeftModel.from_pretrained(base_model, str(adapter))
+    result = model.load_adapter(str(adapter), adapter_name="again")
+    missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+    return model, missing, list(result.unexpected_keys)
+
+
+@pytest.mark.parametrize("run", ["trl_z2", "trl_z3", "peft_trainer_z2", "peft_trainer_z3"])
+def test_a_peft_run_converts_with_no_flag_to_the_adapter_it_trained(peft_runs, tmp_path, run):
+    """The run folder alone: its last checkpoint's engine files give the adapter PEFT would have saved, bit for
+    bit the run's own (gathered in training at ZeRO-3; at ZeRO-2 PEFT's own file, byte for byte), with
+    adapter_config.json and the tokenizer; it loads into its base with no key missing or unexpected."""
+    out = tmp_path / "adapter"
+    code, stdout, stderr = _cli("convert", peft_runs / run, "--output", out, "--json")
+    assert code == 0, stderr[-3000:]
+    report = json.loads(stdout)
+    assert (report["kind"], report["tensors"]) == ("peft-adapter", LORA_KEYS + (2 if run == "peft_trainer_z2" else 0))
+    assert max(len(line) for line in stderr.splitlines()) <= 200
+    reference = _tensors(peft_runs / run / "reference_adapter.safetensors")
+    written = _tensors(out / "adapter_model.safetensors")
+    assert written.keys() == reference.keys() and all(_equal(written[k], reference[k]) for k in reference)
+    saved = peft_runs / run / "checkpoint-2" / "adapter_model.safetensors"
+    if run.endswith("z2"):
+        assert (out / "adapter_model.safetensors").read_bytes() == saved.read_bytes()
+    assert json.loads((out / "adapter_config.json").read_text()) == json.loads(
+        (saved.parent / "adapter_config.json").read_text())
+    assert (out / "tokenizer.json").is_file() and not (out / "config.json").exists()
+    _, missing, unexpected = _peft_load(peft_runs / "base", out)
+    assert (missing, unexpected) == ([], [])
+    code, _, stderr = _cli("verify", out)
+    assert code == 0 and "all checks hold: " in stderr
+
+
+def test_verify_fails_the_empty_zero3_adapter_with_its_cure(peft_runs):
+    checkpoint = peft_runs / "trl_z3" / "checkpoint-2"
+    code, stdout, stderr = _cli("verify", checkpoint, "--json")
+    last = stderr.strip().splitlines()[-1]
+    assert code == 1 and last == (f"verification FAILED: adapter_model.safetensors holds 0 tensors (PEFT's save under "
+                                  f"ZeRO-3 without the gather); the adapter is in the engine files: dsfix convert "
+                                  f"{checkpoint} --output ADAPTER_DIR")
+    report = json.loads(stdout)
+    assert not any(c["ok"] and "0 " in c["detail"] for c in report["checks"])  # no check says ok over 0 tensors
+    code, _, stderr = _cli("verify", peft_runs / "trl_z2" / "checkpoint-2")  # PEFT's own file at ZeRO-2
+    assert code == 0, stderr[-2000:]
+
+
+@pytest.mark.parametrize("run", ["trl_z3", "peft_trainer_z2", "peft_trainer_z3"])
+def test_merge_is_merge_and_unload_bit_for_bit_and_loads_tied(peft_runs, tmp_path, run):
+    """--merge: the base (named by adapter_config.json) with the adapter merged in, as PEFT's merge_and_unload()
+    merges the adapter convert recovered (bf16 LoRA, modules_to_save on the tied embedding, fp32 LoRA)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    code, stdout, stderr = _cli("convert", peft_runs / run, "--merge", "--output", tmp_path / "merged", "--json")
+    assert code == 0, stderr[-3000:]
+    assert json.loads(stdout)["kind"] == "peft-merged"
+    assert _cli("convert", peft_runs / run, "--output", tmp_path / "adapter")[0] == 0
+    model, _, _ = _peft_load(peft_runs / "base", tmp_path / "adapter")
+    model.delete_adapter("again")
+    expected = model.merge_and_unload().state_dict()
+    written = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert written.keys() == expected.keys() and all(_equal(written[k], expected[k]) for k in expected)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    # the base's config, generation config and tokenizer beside the merged weights
+    names = sorted(p.name for p in (tmp_path / "merged").iterdir())
+    assert names == sorted(p.name for p in (peft_runs / "base").iterdir())

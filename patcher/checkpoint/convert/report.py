@@ -135,7 +135,7 @@ class CheckpointResult(Result, Checks):
     written: tuple = ()
     bytes_written: int = 0
     note: str = ""
-    universal: bool = False  # a ds_to_universal folder, not the engine's own files
+    kind: str = "deepspeed-engine-checkpoint"  # or deepspeed-universal-checkpoint, peft-adapter, peft-merged
     checkpoint: str = ""  # the checkpoint folder read: ``path`` itself, or the checkpoint-N chosen in a Trainer run
     chosen: str = ""  # how that checkpoint-N was chosen ("" when ``path`` is the checkpoint)
     producer: str = ""  # "trainer", "accelerate" or "" (engine.save_checkpoint), from the files beside it
@@ -166,7 +166,12 @@ class CheckpointResult(Result, Checks):
         by = f", saved by {by}" if by else ""
         config = ("; config from the checkpoint's own folder" if self.config_own
                   else f"; config from --config {self.config}" if self.config else "")
-        if self.universal:
+        if self.kind == "peft-merged":
+            return f"{self.path}: {run}a PEFT LoRA adapter merged into its base {self.config}, written to {self.output}"
+        if self.kind == "peft-adapter":
+            return (f"{self.path}: {run}a PEFT LoRA run ({self.tag}, {stage}, {self.world} rank(s){by}): its adapter "
+                    f"from the engine files, written to {self.output}")
+        if self.kind == "deepspeed-universal-checkpoint":
             return (f"{self.path}: {run}a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a "
                     f"{stage} run on {self.world} rank(s); one fp32 file a parameter){config}, "
                     f"written to {self.output}")
@@ -174,8 +179,7 @@ class CheckpointResult(Result, Checks):
                 f"{self.precision} optimizer states{by}){config}, written to {self.output}")
 
     def body(self) -> dict:
-        kind = "deepspeed-universal-checkpoint" if self.universal else "deepspeed-engine-checkpoint"
-        return {"path": self.path, "kind": kind, "output": self.output, "status": self.status.value,
+        return {"path": self.path, "kind": self.kind, "output": self.output, "status": self.status.value,
                 "ok": self.ok, "tag": self.tag, "zero_stage": self.stage, "world_size": self.world,
                 "precision": self.precision, "dtype": self.dtype, "strategy": self.strategy, "tensors": self.tensors,
                 "lora": self.lora, "checkpoint": self.checkpoint, "chosen": self.chosen or None,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from patcher.checkpoint.names import BIN_INDEX_NAME, CONFIG_NAME, INDEX_NAME, STEP3_SUBFOLDERS, examples
+from patcher.checkpoint.readers.peft import ADAPTER_CONFIG
 from patcher.errors import DsfixError
 
 LATEST = "latest"
@@ -170,6 +171,15 @@ def config_for(chosen: Chosen, config) -> tuple[Path, bool]:
         producer_of(root), "engine.save_checkpoint writes none")
     raise DsfixError(f"no {CONFIG_NAME} here ({who}): convert needs --config MODEL_DIR, the model's folder",
                      path=str(chosen.path))
+
+
+def adapter_folder(path, step: Path) -> Optional[Path]:
+    """The checkpoint's folder holding a PEFT run's ``adapter_config.json`` (the Trainer writes it into
+    checkpoint-N/ beside the engine files): ``path``, or the folder holding the step folder; None: not a PEFT run."""
+    for folder in (Path(path), Path(step).parent):
+        if (folder / ADAPTER_CONFIG).is_file():
+            return folder
+    return None
 
 
 def contents(folder) -> str:
