@@ -18,7 +18,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from patcher.checkpoint.smoke import print_report, run_smoke  # noqa: E402
-from patcher.checkpoint.smoke.worker import extract_definitions, make_tiny_tokenizer  # noqa: E402
+from patcher.checkpoint.smoke.functions import extract_definitions  # noqa: E402
+from patcher.checkpoint.smoke.worker import make_tiny_tokenizer  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
 from smokekit import NARROW, broken_code, make_checkout, narrow_model, patched_checkout, quiet_console  # noqa: E402
 

@@ -253,7 +253,7 @@ def test_smoke_refuses_before_building_a_model(tmp_path):
 
 
 def test_worker_extracts_only_imports_and_dsfix_definitions(tmp_path):
-    from patcher.checkpoint.smoke.worker import extract_definitions
+    from patcher.checkpoint.smoke.functions import extract_definitions
 
     utils = tmp_path / "utils.py"
     utils.write_text("import os\nimport not_installed_anywhere\nfrom . import sibling\nSIDE = print('ran')\n\n\n"
@@ -294,7 +294,7 @@ INLINE = ("\n\n_DSFIX_STRATEGY = 'clone'\n\n\n"
 def test_worker_finds_the_save_module_beside_utils(tmp_path, imports, name, module_file, expect):
     """smoke's ast path (utils.py does not import here: no DeepSpeed, a relative import) still reaches dsfix's save
     module: loaded from its file beside utils.py and bound to the name utils.py imports it as."""
-    from patcher.checkpoint.smoke.worker import extract_definitions
+    from patcher.checkpoint.smoke.functions import extract_definitions
 
     utils = tmp_path / "utils.py"
     body = WRAPPER.format(name=name) if name else INLINE
@@ -323,7 +323,7 @@ CUT = "utils.py read with ast: import failed (RuntimeError: "
     ("raise RuntimeError('x' * 500)", CUT + "x" * (156 - len(CUT)) + "..."),  # cut to 159 characters
 ])
 def test_worker_warns_only_when_the_user_can_act(tmp_path, monkeypatch, top, note):
-    from patcher.checkpoint.smoke.worker import NOTE_LIMIT, load_save_functions
+    from patcher.checkpoint.smoke.functions import NOTE_LIMIT, load_save_functions
 
     for name in ["deepspeed", *(m for m in sys.modules if m.startswith("deepspeed."))]:
         monkeypatch.setitem(sys.modules, name, None)  # as in an environment without DeepSpeed
