@@ -208,6 +208,8 @@ def test_verify_refuses_before_reading(tmp_path, make, message, entry):
      "no pytorch_model.bin (also not in actor/, critic/, actor_ema/), no latest, no checkpoint-N/; found "
      "notes.txt"),
     (lambda p: write(p, {"pytorch_model.bin": ""}), {},
+     "no config.json beside pytorch_model.bin, as save_16bit_model writes it: add --config MODEL_DIR --output OUT"),
+    (lambda p: write((p / "actor").mkdir() or p / "actor", {"pytorch_model.bin": ""}).parent, {},  # step 3's
      "no config.json: convert needs the model's config to check the weights"),
     (lambda p: write(p, {"pytorch_model.bin.index.json": {"weight_map": {"a": "../x.bin"}}}), {},
      "pytorch_model.bin.index.json names shards outside the folder: ../x.bin"),
@@ -220,13 +222,27 @@ def test_convert_refuses_before_loading(tmp_path, make, kwargs, message):
     assert e.value.message == message and e.value.code == 2
 
 
-def test_convert_leaves_a_safetensors_folder_alone(tmp_path):
+@pytest.mark.parametrize("kwargs", [{}, {"output": "out"}, {"output": "out", "config": "cfg", "dtype": "bf16"}])
+def test_convert_leaves_a_model_folder_alone_and_names_verify(tmp_path, kwargs):
     from patcher.checkpoint.convert import convert
 
     write(tmp_path, {"model.safetensors": "", "config.json": "{}"})
+    report = convert(tmp_path, **{k: (tmp_path / v if k in ("output", "config") else v) for k, v in kwargs.items()})
+    assert (report.ok, report.status, report.exit_code) == (True, "nothing to convert", 0)
+    assert report.message == (f"nothing to convert in {tmp_path}: a Hugging Face model folder already "
+                              "(model.safetensors, config.json)")
+    data = report.to_dict()
+    assert (data["kind"], data["folder"], data["next"]) == ("hugging-face-model-folder", str(tmp_path),
+                                                          f"dsfix verify {tmp_path}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_leaves_safetensors_without_config_alone(tmp_path):
+    from patcher.checkpoint.convert import convert
+
+    write(tmp_path, {"model.safetensors": ""})
     report = convert(tmp_path)
     assert (report.ok, report.status, report.exit_code) == (True, "nothing to convert", 0)
-    assert report.folders[0].note == "it is already safetensors (model.safetensors)"
     assert report.message == f"nothing to convert in {tmp_path}: it is already safetensors (model.safetensors)"
 
 

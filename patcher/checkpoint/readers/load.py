@@ -104,8 +104,8 @@ def _load(path: Path, mapped: bool, deepspeed: bool) -> Any:
         found = re.search(r"GLOBAL ([\w.]+)", str(e)) or re.search(r"function (\S+)", str(e))
         if not deepspeed:
             what = f" ({found.group(1)})" if found else ""
-            raise DsfixError(f"refused: this pickle needs code to load{what}, which a weights-only load does not run; "
-                             "nothing written", path=str(path)) from None
+            raise DsfixError(f"refused: this pickle needs code to load{what}; nothing run, nothing written",
+                             path=str(path)) from None
         what = found.group(1) if found else " ".join(str(e).split())[:120]
         raise DsfixError(f"refused: this file needs {what} to load, which is not one of the types DeepSpeed "
                          "checkpoints hold; nothing run, nothing written", path=str(path)) from None
@@ -113,8 +113,10 @@ def _load(path: Path, mapped: bool, deepspeed: bool) -> Any:
         raise
     except Exception as e:
         msg = " ".join(str(e).split())
-        if not deepspeed:
-            raise DsfixError(f"not a readable torch.save file: {type(e).__name__}: {msg[:200]}", path=str(path)) from e
+        if not deepspeed:  # torch's first sentence (what went wrong, not its advice), or its first clause
+            said = msg.split(". ")[0]
+            said = said if len(said) <= 60 else said.split(": ")[0][:60]
+            raise DsfixError(f"not a readable torch.save file: {type(e).__name__}: {said}", path=str(path)) from e
         raise DsfixError(f"not a readable torch.save file (truncated?): {type(e).__name__}: {msg[:160]}; "
                          "nothing written", path=str(path)) from e
 
