@@ -89,6 +89,9 @@ Steps = Annotated[Optional[str], typer.Option(
     "--steps", metavar="LIST", help="The DeepSpeed-Chat steps to patch, comma-separated: 1, 1,2 or 1,2,3. Default: "
     "as the last apply recorded, else 1. Listing 2 or 3 also adapts step 3's critic loader (create_critic_model) to "
     "read safetensors.")]
+Base = Annotated[Optional[Path], typer.Option(
+    "--base", help="A PEFT adapter's base model folder (default: adapter_config.json's base_model_name_or_path, "
+    "a folder here or a model in the Hugging Face cache).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing (the exit code tells); --json still prints.")]
 Stat = Annotated[bool, typer.Option("--stat", help="Print a per-file summary (as git diff --stat does) instead of the "
                                                    "diff.")]
@@ -169,8 +172,9 @@ def revert(
                   "1: a check failed (a difference), 2: bad input.")
 @command
 def verify(
-    folder: Annotated[Path, typer.Argument(help="A saved model folder (config.json plus safetensors weights), or a "
-                                                "step-3 output folder holding actor/, critic/, actor_ema/.")],
+    folder: Annotated[Path, typer.Argument(help="A saved model folder (config.json plus safetensors weights), a PEFT "
+                                                "adapter folder (adapter_config.json), or a step-3 output folder "
+                                                "holding actor/, critic/, actor_ema/.")],
     expect: Annotated[Optional[int], typer.Option(help="The number of tensors the file must hold (each "
                                                        "folder's).")] = None,
     load: Annotated[bool, typer.Option(help="Also load the folder (from_pretrained; a critic into its "
@@ -183,6 +187,7 @@ def verify(
                                                                 "allowed.")] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", min=0.0, help="With --against: the difference allowed relative to "
                                                                 "the reference.")] = 0.0,
+    base: Base = None,
     as_json: Json = False,
 ):
     from patcher.prereq import require
@@ -190,7 +195,7 @@ def verify(
     require("verify")
     from patcher.checkpoint.verify import verify_path  # the input is checked before torch is imported
 
-    return verify_path(folder, expect=expect, load=load, against=against, atol=atol, rtol=rtol)
+    return verify_path(folder, expect=expect, load=load, against=against, atol=atol, rtol=rtol, base=base)
 
 
 class OutDType(str, Enum):
@@ -240,6 +245,10 @@ def convert(
     keep_lora: Annotated[bool, typer.Option(
         "--keep-lora", help="Engine checkpoint of a LoRA run: also write the unfused factors to lora.safetensors "
         "beside the fused model.")] = False,
+    base: Base = None,
+    merge: Annotated[bool, typer.Option(
+        "--merge", help="A PEFT LoRA run (or adapter folder): write its base model with the adapter merged in, as "
+        "PEFT's merge_and_unload() does, instead of the adapter.")] = False,
     as_json: Json = False,
 ):
     from patcher.prereq import require
@@ -249,8 +258,8 @@ def convert(
     from patcher.checkpoint.convert import convert as run_convert  # no torch yet: it checks its input first
 
     return run_convert(folder, output=output, config=config, tag=tag, dtype=dtype.value, strategy=strategy.value,
-                       remove_bin=remove_bin, load=load, lora_scaling=lora_scaling, keep_lora=keep_lora,
-                       console=err.console)
+                       remove_bin=remove_bin, load=load, lora_scaling=lora_scaling, keep_lora=keep_lora, base=base,
+                       merge=merge, console=err.console)
 
 
 @app.command(help="Run the checkout's save on a real Qwen3 model, then verify it. Exit 0: all checks hold, 1: a "

@@ -73,6 +73,15 @@ def require(verb: str, *, deepspeed: str | None = None, cuda: bool = False) -> N
         raise DsfixError("--device cuda, but this machine has no GPU driver; use --device cpu")
 
 
+PEFT_FLOOR = "peft>=0.13"  # set_peft_model_state_dict(low_cpu_mem_usage=...), what the adapter checks run
+
+
+def require_peft(what: str) -> None:
+    """Raise DsfixError (exit 2) when PEFT, which ``what`` (a PEFT adapter's checks, a merge) needs, is missing."""
+    if missing("peft"):
+        raise DsfixError(f"{what} needs PEFT, which this Python lacks: pip install '{PEFT_FLOOR}'")
+
+
 def require_or_exit(verb: str, **kwargs) -> None:
     """For the benchmark scripts: ``require``, ending in its one line and exit 2 instead of a traceback; then
     torch is imported, with the noise of torch before 2.3 beside numpy 2 captured."""

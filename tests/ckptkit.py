@@ -113,7 +113,8 @@ def write_engine(root: Path, trained: "OrderedDict[str, torch.Tensor]", *, stage
     module.update((n, t) for n, t in frozen.items())
     module.update(buffers)
     for alias, partner in shared.items():
-        module[alias] = module[partner]
+        if partner in module:  # a frozen base tensor excluded from the save (PEFT runs) is not in it
+            module[alias] = module[partner]
     common = {"buffer_names": list(buffers), "optimizer": None, "param_shapes": param_shapes,
               "frozen_param_shapes": OrderedDict((n, torch.Size(t.shape)) for n, t in frozen.items()) or None,
               "shared_params": shared, "dp_world_size": world, "mp_world_size": 1,

@@ -242,67 +242,6 @@ def call_sites(calls) -> list:
     return sorted(set(first.values()) | set(last.values()) | keep)
 
 
-def engine_op(ckpt: Path, model_dir: Path) -> Op:
-    """``dsfix convert CKPT --config MODEL --output PARENT/hf --no-load``; PARENT holds a file of the user's,
-    which must stay as it is. The faults count in PARENT, where the staging folder and the output go."""
-    def make(folder: Path) -> Path:
-        parent = folder / "runs"
-        parent.mkdir()
-        (parent / "notes.txt").write_text("a file of the user's beside the output\n")
-        return parent
-
-    return Op("engine convert", make,
-              lambda parent: cli_json("convert", ckpt, "--config", model_dir, "--output", parent / "hf", "--no-load"),
-              leftover=r"(^|/)\.dsfix-convert-")
-
-
-# -- the engine checkpoint the sweep converts: the main suite's, kept for the extended tier ---------------------
-
-CACHE_KEY = "fault-sweep-engine-checkpoint"
-
-
-def checkpoint_stamp() -> str:
-    """What the cached checkpoint was made with: the trainer fixture's code and the library versions."""
-    import hashlib
-    from importlib.metadata import version
-
-    repo = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for path in sorted((repo / "fixtures" / "step1_trainer").glob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
-    for name in ("torch", "deepspeed", "transformers", "safetensors"):
-        digest.update(f"{name}={version(name)}".encode())
-    return digest.hexdigest()
-
-
-def keep_checkpoint(cache, ckpt: Path, model_dir: Path) -> None:
-    """A copy of the ZeRO-3 checkpoint and its model folder in pytest's cache folder, for the extended tier,
-    which runs in a later session (``.ci/run`` runs it after the main suite): no ranks launched again. Nothing
-    where pytest runs without its cache (``cache`` None: ``-p no:cacheprovider``)."""
-    if cache is None:
-        return
-    folder = cache.mkdir(CACHE_KEY)
-    stamp = folder / "stamp"
-    if stamp.exists() and stamp.read_text() == checkpoint_stamp():
-        return
-    for name in ("ckpt", "model", "stamp"):
-        shutil.rmtree(folder / name, ignore_errors=True) if name != "stamp" else stamp.unlink(missing_ok=True)
-    shutil.copytree(ckpt, folder / "ckpt")
-    shutil.copytree(model_dir, folder / "model")
-    stamp.write_text(checkpoint_stamp())  # last: a copy cut short has no stamp
-
-
-def kept_checkpoint(cache) -> Optional[tuple]:
-    """(checkpoint, model folder) kept by ``keep_checkpoint`` for these versions, or None."""
-    if cache is None:
-        return None
-    folder = cache.mkdir(CACHE_KEY)
-    stamp = folder / "stamp"
-    if stamp.exists() and stamp.read_text() == checkpoint_stamp():
-        return folder / "ckpt", folder / "model"
-    return None
-
-
 def fork_at(module, point: str, roots: list, trials: Callable, run: Callable[[], tuple], between: Callable[[], None],
             check: Callable) -> list:
     """The sweep of an operation whose start is expensive (smoke: a model built and trained once): a child of

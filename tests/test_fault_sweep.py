@@ -1,6 +1,6 @@
-"""The fault sweep (issue 33; docs/faults.md): every filesystem call of apply, revert, revert --force, convert
-of a .bin folder, engine convert and smoke --keep, failed once with each errno and killed once, with nothing
-lost (tests/sweepkit.py says what each trial checks).
+"""The fault sweep (docs/faults.md): every filesystem call of apply, revert, revert --force, convert (its one
+writer, from a .bin folder, an engine checkpoint and a PEFT run) and smoke --keep, failed once with each errno and
+killed once, with nothing lost (tests/sweepkit.py says what each trial checks).
 
 The main suite runs a fast subset (a few calls of each kind, EIO, and a kill through a real ``python -m
 patcher`` process); the full sweep is in the extended tier (``python -m pytest -q --extended``).
@@ -14,7 +14,7 @@ import pytest
 
 from faultkit import ERRNOS, KINDS, hook_env, read_record, snapshot
 from patchkit import FIXTURES, cli, run
-from sweepkit import Op, Sweep, call_sites, cli_json, engine_op
+from sweepkit import Op, Sweep, call_sites, cli_json
 
 UTILS = "dschat/utils/utils.py"
 MAIN = "training/step1_supervised_finetuning/main.py"
@@ -95,96 +95,108 @@ def test_a_kill_in_a_real_dsfix_process_and_apply_again(tmp_path):
     assert run("revert", co).returncode == 0 and snapshot(co) == before
 
 
-# ----------------------------------------------------------------------------- the torch side
+# ----------------------------------------------------------------------------- the torch side: one writer
+# Every convert goes through one writer and one commit (patcher/checkpoint/write/): the table sweeps it from each
+# kind of source and target. The checkpoints are tests/ckptkit.py's, laid out as DeepSpeed writes them, so no
+# ranks are launched; the real runs are converted in tests/test_engine.py, test_hf_runs.py and test_peft_runs.py.
 
 
-def _bin_folder(folder, zero3=False):
-    """A step-1 output of the narrow Qwen3 as upstream's unpatched save writes it: pytorch_model.bin (the state
-    dict; ``zero3``: named_parameters(), the tied lm_head left out) and config.json."""
+def _bin_folder(folder):
+    """A step-1 output of the narrow Qwen3 as upstream's unpatched save writes it: pytorch_model.bin (the tied
+    lm_head sharing the embedding's storage) and config.json."""
     import torch
 
-    from smokekit import narrow_model
+    import ckptkit
 
-    out = folder / "step1"
-    out.mkdir()
-    model = narrow_model("float32", seed=0)
-    state = {k: p.detach().clone() for k, p in model.named_parameters()} if zero3 else model.state_dict()
-    torch.save(state, str(out / "pytorch_model.bin"))
-    model.config.to_json_file(str(out / "config.json"))
-    return out
+    ckptkit.write_config(ckptkit.write_bin(folder / "step1", ckptkit.narrow_state(torch.bfloat16)))
+    return folder
 
 
-def _save_file_as_a_write():
-    """safetensors' save_file writes from Rust: faultkit counts it as one write call (``also``)."""
-    import safetensors.torch
+def _engine_source(folder):
+    """A ZeRO-3 checkpoint of the narrow Qwen3 on 2 ranks (a frozen module, the tied alias recorded) and the
+    model folder for --config, beside a file of the user's where the output goes."""
+    import torch
 
-    return [(safetensors.torch, "save_file", "write")]
+    import ckptkit
+
+    state = ckptkit.narrow_state(torch.float32, tied=False)
+    del state["lm_head.weight"]
+    frozen = {k: state.pop(k).to(torch.bfloat16) for k in list(state) if k.startswith("model.layers.1.mlp.")}
+    ckptkit.write_engine(folder / "ckpt", state, stage=3, frozen=frozen, shared=ckptkit.TIED, groups=2)
+    ckptkit.write_config(folder / "model")
+    return folder
 
 
-def convert_op(load=True):
-    args = () if load else ("--no-load",)
-    return Op("convert", _bin_folder, lambda folder: cli_json("convert", folder, *args),
-              leftover=r"(^|/)\.dsfix-convert-", also=_save_file_as_a_write())
+def _peft_source(folder):
+    """A PEFT LoRA run's ZeRO-3 checkpoint-N (adapter_config.json naming its base, PEFT's empty adapter file, the
+    engine files holding the LoRA factors alone) and the base model's config."""
+    import json
+
+    from safetensors.torch import save_file
+
+    import ckptkit
+
+    ckptkit.write_config(folder / "base")
+    trained = {}
+    for layer in range(28):
+        for proj, (out_f, in_f) in (("q_proj", (64, 64)), ("v_proj", (32, 64))):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            trained[f"{name}.lora_A.default.weight"] = ckptkit.value(f"{name}.A", (4, in_f))
+            trained[f"{name}.lora_B.default.weight"] = ckptkit.value(f"{name}.B", (out_f, 4))
+    ckpt = ckptkit.write_engine(folder / "checkpoint-2", trained, stage=3, precision="bf16")
+    (ckpt / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": str(folder / "base")}))
+    save_file({}, str(ckpt / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def _beside_a_users_file(source):
+    """``make``: the source's files, and a folder of the user's (holding a file) where the output goes."""
+    def make(folder):
+        source(folder)
+        (folder / "runs").mkdir()
+        (folder / "runs" / "notes.txt").write_text("a file of the user's beside the output\n")
+        return folder
+
+    return make
+
+
+CONVERT_LEFTOVERS = r"(^|/)\.dsfix-convert-"
+CONVERT_OPS = {  # convert runs with --no-load: the load is a read of the staged folder, which makes no call
+    ".bin folder, in place": Op("convert", _bin_folder, lambda f: cli_json("convert", f / "step1", "--no-load"),
+                                leftover=CONVERT_LEFTOVERS),
+    "ZeRO-3 checkpoint, into --output": Op(
+        "engine convert", _beside_a_users_file(_engine_source),
+        lambda f: cli_json("convert", f / "ckpt", "--config", f / "model", "--output", f / "runs" / "hf", "--no-load"),
+        leftover=CONVERT_LEFTOVERS),
+    "PEFT run's adapter, into --output": Op(
+        "PEFT convert", _beside_a_users_file(_peft_source),
+        lambda f: cli_json("convert", f / "checkpoint-2", "--output", f / "runs" / "adapter", "--no-load"),
+        leftover=CONVERT_LEFTOVERS),
+}
 
 
 @pytest.mark.slow
-def test_convert_fast_subset(tmp_path):
-    """convert runs with --no-load here and in the full sweep: the load is a read of the staged folder between
-    the writes, which makes no call and costs a model build a trial."""
-    sweep = Sweep(convert_op(load=False), tmp_path)
+@pytest.mark.parametrize("name", sorted(CONVERT_OPS))
+def test_convert_fast_subset(tmp_path, name):
+    """The first call, every rename and the last call, failing with EIO, and a kill before each."""
+    sweep = Sweep(CONVERT_OPS[name], tmp_path)
     out = sweep.run(_commit_points(sweep.calls), errors=lambda kind: ("EIO",))
     _report(out)
+    assert out.failed and out.killed
 
 
 @pytest.mark.extended
-def test_convert_every_call(tmp_path):
-    sweep = Sweep(convert_op(load=False), tmp_path)
-    out = sweep.run()
-    _report(out)
-    print(f"convert: {len(sweep.calls)} calls, {out.failed} failed, {out.survived} survived, {out.killed} killed")
-
-
-@pytest.fixture(scope="module")
-def engine_checkpoint(request, tmp_path_factory):
-    """The ZeRO-3 engine checkpoint of the narrow Qwen3 that the main suite's test_engine.py made and kept in
-    pytest's cache (tests/sweepkit.py: keep_checkpoint); where this session runs without that (the extended
-    tier alone, on a fresh clone), one launch of 2 CPU ranks makes it, ZeRO-3 only."""
-    pytest.importorskip("deepspeed")
-    from sweepkit import keep_checkpoint, kept_checkpoint
-
-    kept = kept_checkpoint(getattr(request.config, "cache", None))
-    if kept is not None:
-        return kept
-    from smokekit import REPO, launch_ranks
-
-    base = tmp_path_factory.mktemp("engine-ckpt")
-    code, output = launch_ranks(REPO / "fixtures" / "step1_trainer" / "engine_ckpt.py",
-                                ["--output_dir", base / "ckpt", "--stages", "3", "--no_reference"],
-                                env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
-    assert code == 0, output[-4000:]
-    from transformers import GenerationConfig
-
-    helper = request.getfixturevalue("tiny_qwen3_helper")
-    model_dir = base / "model"
-    config = helper.tiny_qwen3_config()
-    config.architectures = ["Qwen3ForCausalLM"]
-    config.torch_dtype = "bfloat16"
-    config.save_pretrained(str(model_dir))
-    GenerationConfig(max_new_tokens=8).save_pretrained(str(model_dir))
-    helper.tiny_qwen3_tokenizer().save_pretrained(str(model_dir))
-    keep_checkpoint(getattr(request.config, "cache", None), base / "ckpt" / "zero3", model_dir)
-    return base / "ckpt" / "zero3", model_dir
-
-
-@pytest.mark.extended
-def test_engine_convert_every_call_site(engine_checkpoint, tmp_path):
-    """Every call site (tests/sweepkit.py: call_sites; of 658 calls, 622 are pwrites of tensor pieces through one
-    line), each errno, and a kill before each; DSFIX_SWEEP_EVERY_CALL=1 runs every call instead."""
-    sweep = Sweep(engine_op(*engine_checkpoint), tmp_path)
+@pytest.mark.parametrize("name", sorted(CONVERT_OPS))
+def test_convert_every_call_site(tmp_path, name):
+    """Every call site (tests/sweepkit.py: call_sites: the pwrites of tensor pieces go through one line), each
+    errno, and a kill before each; DSFIX_SWEEP_EVERY_CALL=1 runs every call instead."""
+    sweep = Sweep(CONVERT_OPS[name], tmp_path)
     points = None if os.environ.get("DSFIX_SWEEP_EVERY_CALL") else call_sites(sweep.calls)
     out = sweep.run(points)
     _report(out)
-    print(f"engine convert: {len(sweep.calls)} calls, {len(points or sweep.calls)} swept, {out.failed} failed, "
+    print(f"{name}: {len(sweep.calls)} calls, {len(points or sweep.calls)} swept, {out.failed} failed, "
           f"{out.survived} survived, {out.killed} killed")
 
 

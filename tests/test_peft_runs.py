@@ -245,20 +245,99 @@ def test_save_16bit_model_writes_a_bin_alone(peft_runs):
         saved["model.embed_tokens.weight"].untyped_storage().data_ptr()
 
 
-# --------------------------------------------------------------------------- dsfix on the other producers' folders
+# ----------------------------------------------------------------------------- dsfix on these runs
 
 
 def _cli(*args):
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "patcher", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    env.update(NO_COLOR="1", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "patcher", *map(str, args)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    return p.returncode, p.stdout, p.stderr
 
 
-def _lines(proc) -> list:
+def _peft_load(base: Path, adapter: Path):
+    """PeftModel.from_pretrained(base, adapter) as a user runs it; and the adapter's keys PEFT found missing or
+    unexpected, loading it once more into that model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    model = PeftModel.from_pretrained(base_model, str(adapter))
+    result = model.load_adapter(str(adapter), adapter_name="again")
+    missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+    return model, missing, list(result.unexpected_keys)
+
+
+@pytest.mark.parametrize("run", ["trl_z2", "trl_z3", "peft_trainer_z2", "peft_trainer_z3"])
+def test_a_peft_run_converts_with_no_flag_to_the_adapter_it_trained(peft_runs, tmp_path, run):
+    """The run folder alone: its last checkpoint's engine files give the adapter PEFT would have saved, bit for
+    bit the run's own (gathered in training at ZeRO-3; at ZeRO-2 PEFT's own file, byte for byte), with
+    adapter_config.json and the tokenizer; it loads into its base with no key missing or unexpected."""
+    out = tmp_path / "adapter"
+    code, stdout, stderr = _cli("convert", peft_runs / run, "--output", out, "--json")
+    assert code == 0, stderr[-3000:]
+    report = json.loads(stdout)
+    assert (report["kind"], report["tensors"]) == ("peft-adapter", LORA_KEYS + (2 if run == "peft_trainer_z2" else 0))
+    assert max(len(line) for line in stderr.splitlines()) <= 200
+    reference = _tensors(peft_runs / run / "reference_adapter.safetensors")
+    written = _tensors(out / "adapter_model.safetensors")
+    assert written.keys() == reference.keys() and all(_equal(written[k], reference[k]) for k in reference)
+    saved = peft_runs / run / "checkpoint-2" / "adapter_model.safetensors"
+    if run.endswith("z2"):
+        assert (out / "adapter_model.safetensors").read_bytes() == saved.read_bytes()
+    assert json.loads((out / "adapter_config.json").read_text()) == json.loads(
+        (saved.parent / "adapter_config.json").read_text())
+    assert (out / "tokenizer.json").is_file() and not (out / "config.json").exists()
+    _, missing, unexpected = _peft_load(peft_runs / "base", out)
+    assert (missing, unexpected) == ([], [])
+    code, _, stderr = _cli("verify", out)
+    assert code == 0 and "all checks hold: " in stderr
+
+
+def test_verify_fails_the_empty_zero3_adapter_with_its_cure(peft_runs):
+    checkpoint = peft_runs / "trl_z3" / "checkpoint-2"
+    code, stdout, stderr = _cli("verify", checkpoint, "--json")
+    last = stderr.strip().splitlines()[-1]
+    assert code == 1 and last == (f"verification FAILED: adapter_model.safetensors holds 0 tensors (PEFT's save under "
+                                  f"ZeRO-3 without the gather); the adapter is in the engine files: dsfix convert "
+                                  f"{checkpoint} --output ADAPTER_DIR")
+    report = json.loads(stdout)
+    assert not any(c["ok"] and "0 " in c["detail"] for c in report["checks"])  # no check says ok over 0 tensors
+    code, _, stderr = _cli("verify", peft_runs / "trl_z2" / "checkpoint-2")  # PEFT's own file at ZeRO-2
+    assert code == 0, stderr[-2000:]
+
+
+@pytest.mark.parametrize("run", ["trl_z3", "peft_trainer_z2", "peft_trainer_z3"])
+def test_merge_is_merge_and_unload_bit_for_bit_and_loads_tied(peft_runs, tmp_path, run):
+    """--merge: the base (named by adapter_config.json) with the adapter merged in, as PEFT's merge_and_unload()
+    merges the adapter convert recovered (bf16 LoRA, modules_to_save on the tied embedding, fp32 LoRA)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    code, stdout, stderr = _cli("convert", peft_runs / run, "--merge", "--output", tmp_path / "merged", "--json")
+    assert code == 0, stderr[-3000:]
+    assert json.loads(stdout)["kind"] == "peft-merged"
+    assert _cli("convert", peft_runs / run, "--output", tmp_path / "adapter")[0] == 0
+    model, _, _ = _peft_load(peft_runs / "base", tmp_path / "adapter")
+    model.delete_adapter("again")
+    expected = model.merge_and_unload().state_dict()
+    written = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert written.keys() == expected.keys() and all(_equal(written[k], expected[k]) for k in expected)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    # the base's config, generation config and tokenizer beside the merged weights
+    names = sorted(p.name for p in (tmp_path / "merged").iterdir())
+    assert names == sorted(p.name for p in (peft_runs / "base").iterdir())
+
+
+# ----------------------------------------------------------------------------- dsfix on the other producers' folders
+
+
+def _lines(stderr: str) -> list:
     """What dsfix printed on stderr, line by line: every line within 200 characters."""
-    lines = proc.stderr.splitlines()
-    assert [line for line in lines if len(line) > 200] == [], proc.stderr
+    lines = stderr.splitlines()
+    assert [line for line in lines if len(line) > 200] == [], stderr
     return lines
 
 
@@ -272,22 +351,22 @@ def test_convert_says_a_save_only_model_checkpoint_is_a_model_folder_and_verify_
              "chose checkpoint-2 (the last of checkpoint-2, as transformers' get_last_checkpoint picks it)"]
     for args, lines in (([checkpoint], answer), ([checkpoint, "--output", tmp_path / "out"], answer),
                         ([run], chose + answer), ([run, "--output", tmp_path / "out"], chose + answer)):
-        proc = _cli("convert", *args, "--json")
-        assert proc.returncode == 0 and _lines(proc) == lines, proc.stderr
-        data = json.loads(proc.stdout)
+        code, stdout, stderr = _cli("convert", *args, "--json")
+        assert code == 0 and _lines(stderr) == lines, stderr
+        data = json.loads(stdout)
         assert (data["status"], data["kind"], data["folder"], data["next"]) == (
             "nothing to convert", "hugging-face-model-folder", str(checkpoint), f"dsfix verify {checkpoint}")
     assert not (tmp_path / "out").exists()
 
-    proc = _cli("verify", checkpoint, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _lines(proc)[-1].startswith("all checks hold: 311 tensors, causal LM")
+    code, _, stderr = _cli("verify", checkpoint, "--json")
+    assert code == 0, stderr[-3000:]
+    assert _lines(stderr)[-1].startswith("all checks hold: 311 tensors, causal LM")
     # against the base model (310 tensors, the tied alias left out): each side's own count in the keys row; the
     # values differ, as training changed them (or first the dtypes, if the Trainer saved another than the base's)
-    proc = _cli("verify", checkpoint, "--against", peft_runs / "base", "--json")
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    _lines(proc)
-    report = json.loads(proc.stdout)
+    code, stdout, stderr = _cli("verify", checkpoint, "--against", peft_runs / "base", "--json")
+    assert code == 1, stderr[-3000:]
+    _lines(stderr)
+    report = json.loads(stdout)
     keys = next(c for c in report["checks"] if c["name"] == "keys")
     assert keys == {"name": "keys", "ok": True, "detail": "311 tensors here, 310 in the reference; 311 compared, "
                                                           "lm_head.weight through its tied partner"}
@@ -307,17 +386,17 @@ def test_save_16bit_model_converts_with_config_and_output(peft_runs, tmp_path):
     cure = (f"dsfix: error: {model}: no config.json beside pytorch_model.bin, as save_16bit_model writes it: add "
             "--config MODEL_DIR --output OUT")
     for args in ([], ["--output", out], ["--config", base]):
-        proc = _cli("convert", model, *args)
-        assert proc.returncode == 2 and _lines(proc) == [cure], proc.stderr
+        code, _, stderr = _cli("convert", model, *args)
+        assert code == 2 and _lines(stderr) == [cure], stderr
     assert not out.exists()
 
-    proc = _cli("convert", model, "--config", base, "--output", out, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = _lines(proc)
+    code, stdout, stderr = _cli("convert", model, "--config", base, "--output", out, "--json")
+    assert code == 0, stderr[-3000:]
+    lines = _lines(stderr)
     assert lines[:2] == [f"{model}: pytorch_model.bin alone, no config.json (as DeepSpeed's save_16bit_model and "
                          "zero_to_fp32 write it)", f"config from --config {base}; written to {out}"], lines
     assert lines[-1] == f"converted model/pytorch_model.bin -> {out}: 311 tensors, bfloat16, clone"
-    data = json.loads(proc.stdout)
+    data = json.loads(stdout)
     assert (data["kind"], data["config"], data["config_from_checkpoint"], data["dtype"], data["tensors"]) == (
         "bin-without-config", str(base), False, "bfloat16", 311)
     assert {c["name"] for c in data["checks"]} >= {"source", "keys", "tied", "load", "equal"}
@@ -328,12 +407,12 @@ def test_save_16bit_model_converts_with_config_and_output(peft_runs, tmp_path):
     written = _tensors(out / "model.safetensors")
     reference = torch.load(str(run / "reference.pt"), weights_only=True)["state_dict"]
     assert set(written) == set(reference) and all(_equal(written[k], reference[k]) for k in reference)
-    proc = _cli("verify", out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _lines(proc)
-    proc = _cli("verify", out, "--against", model, "--json")  # the .bin itself as the reference: 311 each
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _lines(proc)
-    assert json.loads(proc.stdout)["message"] == f"matches {model}: 311 tensors compared, 311 bit-equal"
+    code, _, stderr = _cli("verify", out)
+    assert code == 0, stderr[-3000:]
+    _lines(stderr)
+    code, stdout, stderr = _cli("verify", out, "--against", model, "--json")  # the .bin itself as the reference
+    assert code == 0, stderr[-3000:]
+    _lines(stderr)
+    assert json.loads(stdout)["message"] == f"matches {model}: 311 tensors compared, 311 bit-equal"
     loaded = AutoModelForCausalLM.from_pretrained(str(out), **{dtype_kwarg(): torch.bfloat16})
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight

@@ -16,6 +16,7 @@ from patcher.checkpoint.check.compare import compare_folders, is_bin_reference
 from patcher.checkpoint.check.headers import render
 from patcher.checkpoint.check.verify import leftover_check, verify_folder
 from patcher.checkpoint.readers.find import model_folders
+from patcher.checkpoint.readers.peft import read_adapter_config
 from patcher.checkpoint.readers.safetensors import weight_files
 from patcher.errors import DsfixError, need_folder
 from patcher.report import Result, Verdict
@@ -55,11 +56,25 @@ class VerifyResult(Result):
 
 
 def verify_path(path, expect: Optional[int] = None, load: bool = True, against=None, atol: float = 0.0,
-                rtol: float = 0.0) -> VerifyResult:
+                rtol: float = 0.0, base=None) -> VerifyResult:
     """``dsfix verify PATH``: every model folder under ``path`` (see ``model_folders``), or with ``against`` each
-    compared with the reference folder of the same name instead."""
+    compared with the reference folder of the same name instead; a PEFT adapter folder against its
+    adapter_config.json and its base model's config (``base``: the base's folder, when adapter_config.json's is
+    not here)."""
     from patcher.checkpoint.quiet import quiet
 
+    need_folder(path)
+    if read_adapter_config(Path(path)) is not None and against is None:
+        if expect is not None:
+            raise DsfixError("--expect checks a model folder; a PEFT adapter is checked against its "
+                             "adapter_config.json")
+        with quiet():
+            from patcher.checkpoint.check.adapter import verify_adapter
+
+            return VerifyResult(str(path), (verify_adapter(Path(path), base, load=load),))
+    if base is not None:
+        raise DsfixError("--base is for a PEFT adapter folder (adapter_config.json); this folder has none",
+                         path=str(path))
     folders = model_folders(path)
     for folder in folders:
         need_folder(folder)

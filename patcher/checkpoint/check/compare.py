@@ -25,7 +25,7 @@ from patcher.checkpoint.check.values import stored_difference, stored_equal
 from patcher.checkpoint.check.verify import VerifyReport
 from patcher.checkpoint.names import examples, shape_text
 from patcher.checkpoint.readers.bin import BinFolder
-from patcher.checkpoint.readers.safetensors import Header, SafetensorsFolder, dtype_code
+from patcher.checkpoint.readers.safetensors import Header, SafetensorsFolder
 from patcher.errors import DsfixError, refuse_file
 
 
@@ -84,9 +84,7 @@ def _open(path, what: str) -> Any:
     refuse_file(folder)
     if what == "--against" and is_bin_reference(folder):
         reader: Any = BinFolder(folder)
-        head = Header(files=list(reader.sources), entries={
-            k: (h.shape, dtype_code(h.dtype), reader.origin[k]) for k, h in reader.tensors.items()})
-        return reader, head
+        return reader, reader.header
     reader = SafetensorsFolder(folder)
     if reader.problems:
         reader.close()

@@ -54,6 +54,8 @@ def shapes_check(head: Header, expected: dict) -> Check:
 
 
 def nonempty_check(head: Header) -> Check:
+    if not head.entries:  # nothing holds over no tensor
+        return Check("non-empty", False, "the weight files hold no tensor")
     empty = [f"{k} {shape_text(s)}" for k, (s, _, _) in head.entries.items() if 0 in s]
     if empty:
         hint = ""

@@ -21,9 +21,11 @@ from patcher.checkpoint.names import CONFIG_NAME
 
 CAUSAL_LM = "causal-lm"
 CRITIC = "critic"
+ADAPTER = "peft-adapter"
 KIND_TEXT = {
     CAUSAL_LM: "causal LM (a Trainer's or accelerate's model, DeepSpeed-Chat's step-1 model or step-3 actor/EMA)",
     CRITIC: "reward/critic model (rwtransformer.* + v_head.weight, as create_critic_model builds it)",
+    ADAPTER: "PEFT LoRA adapter (adapter_model.safetensors + adapter_config.json, on its base model)",
 }
 
 
@@ -109,3 +111,24 @@ def expected(cfg: Any, kind: str = CAUSAL_LM) -> tuple[Optional[Expected], Optio
     except Exception as e:
         what = "the critic (AutoModel + v_head)" if kind == CRITIC else "a causal-LM"
         return None, Check("keys", False, f"cannot build {what} from {CONFIG_NAME} on meta: {type(e).__name__}: {e}")
+
+
+class Model(NamedTuple):
+    """What a folder must hold, as its config says: the config and its row, the expected keys (or why they are not
+    known), the kind; for a PEFT adapter, its adapter_config.json and where its base's config came from."""
+
+    cfg: Any
+    config_row: Check
+    dtype: Optional[str]  # the config's torch_dtype
+    expected: Optional[Expected]
+    failed: Optional[Check]  # a config transformers reads but cannot build a model from
+    kind: str
+    adapter: Optional[dict] = None
+    base_row: Optional[Check] = None
+
+
+def model_of(folder: Path, kind: str = CAUSAL_LM) -> Model:
+    """``folder``'s config.json and the keys its model (``kind``: a causal LM or a critic) holds."""
+    cfg, check, cfg_dtype = load_config(folder)
+    found, failed = expected(cfg, kind) if cfg is not None else (None, None)
+    return Model(cfg, check, cfg_dtype, found, failed, kind)

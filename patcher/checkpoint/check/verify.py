@@ -37,7 +37,8 @@ class VerifyReport(Checks):
     dtype: Optional[str] = None  # the one floating dtype in the files, if they agree
     files: tuple = ()  # the safetensors files read, relative to path
     expected: Optional[int] = None  # keys the config's model has (tied aliases included)
-    kind: str = CAUSAL_LM  # CAUSAL_LM or CRITIC, from the file's keys
+    kind: str = CAUSAL_LM  # CAUSAL_LM, CRITIC (from the file's keys) or ADAPTER
+    cure: str = ""  # when it fails for a reason with a known cure: the one line that says both
 
     def to_dict(self) -> dict:
         return {"path": self.path, "ok": self.ok, "kind": self.kind, "tensors": self.tensors,
@@ -46,6 +47,8 @@ class VerifyReport(Checks):
 
     @property
     def summary(self) -> str:
+        if not self.ok and self.cure:
+            return f"verification FAILED: {self.cure}"
         verdict = "all checks hold" if self.ok else "verification FAILED"
         return f"{verdict}: {self.tensors} tensors, {KIND_TEXT[self.kind]}"
 

@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from patcher.checkpoint.convert.peft import reader_of as peft_reader_of
 from patcher.checkpoint.convert.report import (
     BIN_ALONE,
     BIN_FOLDER,
@@ -45,6 +46,7 @@ from patcher.checkpoint.names import (
 from patcher.checkpoint.readers.bin import BinFolder, bin_files
 from patcher.checkpoint.readers.find import (
     Chosen,
+    adapter_folder,
     choose_checkpoint,
     choose_model_folder,
     config_for,
@@ -65,8 +67,8 @@ from patcher.errors import DsfixError, need_folder
 
 def convert(path, *, output=None, config=None, tag: Optional[str] = None, dtype: str = "auto",
             strategy: str = "clone", remove_bin: bool = False, load: bool = True, lora_scaling: Optional[float] = None,
-            keep_lora: bool = False, console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
-            progress_min_bytes: int = PROGRESS_MIN_BYTES) -> Any:
+            keep_lora: bool = False, base=None, merge: bool = False, console: Any = None,
+            max_shard_size: int = MAX_SHARD_SIZE, progress_min_bytes: int = PROGRESS_MIN_BYTES) -> Any:
     """Convert what ``path`` holds (see the module docstring). Raises DsfixError (code 2) on bad input, nothing
     written; a failed check gives a result that is not ``ok`` (exit 1), nothing written."""
     need_folder(path)
@@ -75,38 +77,40 @@ def convert(path, *, output=None, config=None, tag: Optional[str] = None, dtype:
     model = model_folder(path, tag)
     if model is not None:
         return model
+    for option in (config, base):
+        if option is not None:
+            need_folder(option)
+    into = dict(output=output, tag=tag, dtype=dtype, strategy=strategy, load=load, base=base, merge=merge,
+                console=console, max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
     bins = any((f / n).is_file() for f in model_folders(path) for n in (BIN_NAME, BIN_INDEX_NAME))
     if is_engine_checkpoint(path) or (not bins and run_checkpoints(path)):
         if remove_bin:
             raise DsfixError("--remove-bin is for .bin output folders; a DeepSpeed checkpoint is left as it is")
-        if config is not None:
-            need_folder(config)
-        return convert_checkpoint(path, config, output, tag=tag, dtype=dtype, strategy=strategy, load=load,
-                                  lora_scaling=lora_scaling, keep_lora=keep_lora, console=console,
-                                  max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
+        return convert_checkpoint(path, config, lora_scaling=lora_scaling, keep_lora=keep_lora, **into)
+    if is_adapter_folder(path):
+        return convert_adapter_folder(path, **into)
     if bins and into_output(path, config, output, remove_bin):
-        return convert_bin(path, config, output, tag=tag, dtype=dtype, strategy=strategy, load=load,
-                           lora_scaling=lora_scaling, keep_lora=keep_lora, console=console,
-                           max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
+        return convert_bin(path, config, lora_scaling=lora_scaling, keep_lora=keep_lora, **into)
     if bins:
         _in_place_options(path, config=config, output=output, tag=tag, dtype=dtype, lora_scaling=lora_scaling,
-                          keep_lora=keep_lora)
+                          keep_lora=keep_lora, base=base, merge=merge)
     return convert_in_place(path, strategy=strategy, remove_bin=remove_bin, load=load, console=console,
                             max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
 
 
-def _no_checkpoint_options(path, tag, lora_scaling, keep_lora) -> None:
-    """A .bin folder has no steps and no LoRA factors to fuse: --tag, --lora-scaling and --keep-lora are refused."""
-    given = [n for n, v in (("--tag", tag), ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None))
-             if v is not None]
+def _no_checkpoint_options(path, tag, lora_scaling, keep_lora, base, merge) -> None:
+    """A .bin folder has no steps, no LoRA factors to fuse and no adapter: --tag, --lora-scaling, --keep-lora,
+    --base and --merge are refused."""
+    given = [n for n, v in (("--tag", tag), ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None),
+                            ("--base", base), ("--merge", merge or None)) if v is not None]
     if given:
         raise DsfixError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for DeepSpeed checkpoints "
                          "(latest, checkpoint-N/), not a .bin folder", path=str(path))
 
 
-def _in_place_options(path, *, config, output, tag, dtype, lora_scaling, keep_lora) -> None:
+def _in_place_options(path, *, config, output, tag, dtype, lora_scaling, keep_lora, base, merge) -> None:
     """A .bin folder converted in place takes none of the options of a conversion into a new folder."""
-    _no_checkpoint_options(path, tag, lora_scaling, keep_lora)
+    _no_checkpoint_options(path, tag, lora_scaling, keep_lora, base, merge)
     given = [n for n, v in (("--config", config), ("--output", output)) if v is not None] + \
         (["--dtype"] if dtype != "auto" else [])
     if not given:
@@ -135,53 +139,79 @@ def model_folder(path, tag: Optional[str] = None) -> Optional[ModelFolderResult]
 # --------------------------------------------------------------------------- a DeepSpeed checkpoint, into --output
 
 
-def convert_checkpoint(path, config, output, *, tag: Optional[str] = None, dtype: str = "auto",
+def convert_checkpoint(path, config, *, output=None, tag: Optional[str] = None, dtype: str = "auto",
                        strategy: str = "clone", load: bool = True, lora_scaling: Optional[float] = None,
-                       keep_lora: bool = False, console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
+                       keep_lora: bool = False, base=None, merge: bool = False, console: Any = None,
+                       max_shard_size: int = MAX_SHARD_SIZE,
                        progress_min_bytes: int = PROGRESS_MIN_BYTES) -> CheckpointResult:
-    """An engine or universal checkpoint (or a Trainer run folder's chosen ``checkpoint-N``) into ``output``."""
+    """An engine or universal checkpoint (or a Trainer run folder's chosen ``checkpoint-N``) into ``output``: the
+    model, or a PEFT run's adapter (merged into its base with ``merge``)."""
+    from patcher.checkpoint.check.model import folder_kind, model_of
     from patcher.checkpoint.quiet import quiet
     from patcher.checkpoint.readers import open_step
+    from patcher.checkpoint.readers.peft import PeftRun, read_adapter_config
     from patcher.checkpoint.steps import lora
 
     chosen = choose_checkpoint(path, tag) or Chosen(Path(path), tag, "")
     output = _check_output(path, output, lora_scaling)
-    config, own = config_for(chosen, config)
     step, step_tag, _ = step_folder(chosen.path, chosen.tag)
+    peft = adapter_folder(chosen.path, step)
+    _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora)
+    own = False
+    if peft is None:
+        config, own = config_for(chosen, config)
     with quiet():
         source = open_step(step, step_tag)
+        if peft is not None:
+            adapter = read_adapter_config(peft) or {}
+            reader, model, config = peft_reader_of(PeftRun(source, adapter, peft), adapter, peft, base, merge)
+        else:
+            model = model_of(config, folder_kind(list(source.tensors) + list(source.aliases)))
+            if model.cfg is None:
+                raise DsfixError(f"{'' if own else '--config: '}{model.config_row.detail}", path=str(config))
+            reader = lora.fused(source, lora_scaling, keep_lora)
         root = step.parent if step != chosen.path else chosen.path
-        result = CheckpointResult(
-            path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False, tag=source.tag,
-            world=source.world, stage=source.stage, precision=source.precision, strategy=strategy,
-            universal=source.kind == "universal", checkpoint=str(chosen.path), chosen=chosen.note,
-            producer=producer_of(root), config=str(config), config_own=own)
-        return _into_new_folder(source, result, lambda reader: lora.fused(reader, lora_scaling, keep_lora), dtype,
-                                load, console, max_shard_size, progress_min_bytes)
+        described = CheckpointResult(
+            path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False, kind=_kind(source, peft, merge),
+            tag=source.tag, world=source.world, stage=source.stage, precision=source.precision, strategy=strategy,
+            checkpoint=str(chosen.path), chosen=chosen.note, producer=producer_of(root), config=str(config),
+            config_own=own, lora=reader.info() if isinstance(reader, lora.FusedLoRA) else None)
+        return _into_output(reader, model, output, config, dtype, described, load=load, console=console,
+                            max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
 
 
-def _into_new_folder(source: Any, result: CheckpointResult, steps: Any, dtype: str, load: bool, console: Any,
-                     max_shard_size: int, progress_min_bytes: int) -> CheckpointResult:
-    """The one pipeline into a new folder: the config's model, ``steps`` (LoRA fusing) on the opened ``source``,
-    the plan, the write (:func:`patcher.checkpoint.write.write`). ``result`` holds what was read; the rest is
-    filled in here."""
-    from patcher.checkpoint.check.model import load_config
-    from patcher.checkpoint.steps import lora
+def _kind(source: Any, peft: Optional[Path], merge: bool) -> str:
+    if peft is not None:
+        return "peft-merged" if merge else "peft-adapter"
+    return "deepspeed-universal-checkpoint" if source.kind == "universal" else "deepspeed-engine-checkpoint"
+
+
+def _check_peft_options(peft: Optional[Path], config, base, merge: bool, lora_scaling, keep_lora: bool) -> None:
+    """--base and --merge are a PEFT run's; --config, --lora-scaling and --keep-lora are not."""
+    if peft is None:
+        given = [o for o, v in (("--base", base is not None), ("--merge", merge)) if v]
+        if given:
+            raise DsfixError(f"{' and '.join(given)}: for a PEFT run (adapter_config.json beside the engine files); "
+                             "this checkpoint has none")
+        return
+    given = [o for o, v in (("--config", config is not None), ("--lora-scaling", lora_scaling is not None),
+                            ("--keep-lora", keep_lora)) if v]
+    if given:
+        raise DsfixError(f"{' and '.join(given)}: not for a PEFT run, whose adapter_config.json names its base "
+                         "model (--base to give another)", path=str(peft))
+
+
+def _into_output(reader: Any, model: Any, output: Path, config: Path, dtype: str, described: CheckpointResult, *,
+                 load: bool, console: Any, max_shard_size: int, progress_min_bytes: int) -> CheckpointResult:
+    """Plan ``reader``'s tensors as ``model`` says, write them into the new folder ``output`` with ``config``'s
+    files; ``described``: the result as it reads before anything is written."""
     from patcher.checkpoint.write.plan import make_plan, out_dtype
 
-    config, output = Path(result.config), Path(result.output)
-    cfg, cfg_check, cfg_dtype = load_config(config)
-    if cfg is None:
-        raise DsfixError(f"{'' if result.config_own else '--config: '}{cfg_check.detail}", path=str(config))
-    written_dtype = out_dtype(dtype, cfg_dtype, source)
-    reader = steps(source)
-    plan = make_plan(reader, cfg, cfg_check, cfg_dtype, result.strategy, written_dtype)
-    fusing = reader.info() if isinstance(reader, lora.FusedLoRA) else None
-    if isinstance(reader, lora.FusedLoRA):
-        plan.checks.append(reader.check())
-    shown = written_dtype if written_dtype is not None else plan.floating_dtype  # a .bin keeps its own
-    failed = replace(result, checks=tuple(plan.checks), dtype=str(shown or "").replace("torch.", ""), lora=fusing,
-                     note="a check failed before writing")
+    written_dtype = out_dtype(dtype, model.dtype, reader)
+    plan = make_plan(reader, model, described.strategy, written_dtype)
+    plan.checks.extend(reader.checks())
+    dtype_name = str(written_dtype or plan.floating_dtype or "").replace("torch.", "")  # a .bin keeps its own
+    failed = replace(described, checks=tuple(plan.checks), dtype=dtype_name, note="a check failed before writing")
     if not plan.ok:
         return failed
     done = write([Job(reader, output, False, config, plan, load, max_shard_size)], console, progress_min_bytes)[0]
@@ -190,6 +220,42 @@ def _into_new_folder(source: Any, result: CheckpointResult, steps: Any, dtype: s
                        note="a check of the written folder failed")
     return replace(failed, status=ConvertStatus.CONVERTED, ok=True, checks=tuple(done.checks), note="",
                    tensors=len(plan.entries), written=tuple(done.names), bytes_written=done.nbytes)
+
+
+# --------------------------------------------------------------------------- a PEFT adapter folder
+
+
+def is_adapter_folder(path) -> bool:
+    """A PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safetensors``, no engine files)."""
+    from patcher.checkpoint.readers.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    return (Path(path) / ADAPTER_CONFIG).is_file() and (Path(path) / ADAPTER_WEIGHTS).is_file()
+
+
+def convert_adapter_folder(path, *, output=None, tag: Optional[str] = None, dtype: str = "auto",
+                           strategy: str = "clone", load: bool = True, base=None, merge: bool = False,
+                           console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
+                           progress_min_bytes: int = PROGRESS_MIN_BYTES) -> Any:
+    """An adapter folder: nothing to convert (it is what PEFT loads), or with ``merge`` its base model with the
+    adapter merged in, into ``output``."""
+    from patcher.checkpoint.quiet import quiet
+    from patcher.checkpoint.readers.peft import ADAPTER_WEIGHTS, read_adapter_config
+    from patcher.checkpoint.readers.safetensors import SafetensorsFolder
+
+    if not merge:
+        note = f"it is a PEFT adapter folder already ({ADAPTER_WEIGHTS}); check it with dsfix verify {path}"
+        return ConvertReport(str(path), strategy, (FolderResult(str(path), ConvertStatus.NOTHING, True, note=note,
+                                                                strategy=strategy),))
+    output = _check_output(path, output, None)
+    adapter = read_adapter_config(Path(path)) or {}
+    with quiet():
+        held = SafetensorsFolder(Path(path), single=ADAPTER_WEIGHTS)
+        reader, model, config = peft_reader_of(held, adapter, Path(path), base, True)
+        described = CheckpointResult(path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False,
+                                     kind="peft-merged", tag=ADAPTER_WEIGHTS, strategy=strategy, checkpoint=str(path),
+                                     config=str(config))
+        return _into_output(reader, model, output, config, dtype, described, load=load, console=console,
+                            max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
 
 
 # --------------------------------------------------------------------------- a .bin folder, into --output
@@ -217,27 +283,30 @@ def into_output(path, config, output, remove_bin: bool) -> bool:
     return output is not None
 
 
-def convert_bin(path, config, output, *, tag: Optional[str] = None, dtype: str = "auto", strategy: str = "clone",
-                load: bool = True, lora_scaling: Optional[float] = None, keep_lora: bool = False, console: Any = None,
-                max_shard_size: int = MAX_SHARD_SIZE, progress_min_bytes: int = PROGRESS_MIN_BYTES) -> CheckpointResult:
+def convert_bin(path, config, *, output=None, tag: Optional[str] = None, dtype: str = "auto", strategy: str = "clone",
+                load: bool = True, lora_scaling: Optional[float] = None, keep_lora: bool = False, base=None,
+                merge: bool = False, console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
+                progress_min_bytes: int = PROGRESS_MIN_BYTES) -> CheckpointResult:
     """A ``.bin`` folder into ``output``, with the config, generation config and tokenizer of ``--config`` or its
-    own folder: the checkpoint's pipeline, read by :class:`BinFolder`."""
+    own folder: the checkpoint's pipeline (:func:`_into_output`), read by :class:`BinFolder`."""
+    from patcher.checkpoint.check.model import folder_kind, model_of
     from patcher.checkpoint.quiet import quiet
 
-    _no_checkpoint_options(path, tag, lora_scaling, keep_lora)
+    _no_checkpoint_options(path, tag, lora_scaling, keep_lora, base, merge)
     folder = Path(path)
-    form = BIN_FOLDER if (folder / CONFIG_NAME).is_file() else BIN_ALONE
+    kind = BIN_FOLDER if (folder / CONFIG_NAME).is_file() else BIN_ALONE
     output = _check_output(path, output, None)
-    if config is not None:
-        need_folder(config)
     config, own = (given_config(config), False) if config is not None else (folder, True)
     with quiet():
         reader = BinFolder(folder)
-        result = CheckpointResult(path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False,
-                                  strategy=strategy, checkpoint=str(path), config=str(config), config_own=own,
-                                  form=form, sources=tuple(reader.sources))
-        return _into_new_folder(reader, result, lambda same: same, dtype, load, console, max_shard_size,
-                                progress_min_bytes)
+        model = model_of(config, folder_kind(list(reader.tensors) + list(reader.aliases)))
+        if model.cfg is None:
+            raise DsfixError(f"{'' if own else '--config: '}{model.config_row.detail}", path=str(config))
+        described = CheckpointResult(path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False,
+                                     kind=kind, strategy=strategy, checkpoint=str(path), config=str(config),
+                                     config_own=own, sources=tuple(reader.sources))
+        return _into_output(reader, model, output, config, dtype, described, load=load, console=console,
+                            max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
 
 
 def _check_output(path, output, lora_scaling) -> Path:
@@ -264,7 +333,7 @@ def convert_in_place(path, *, strategy: str = "clone", remove_bin: bool = False,
                      console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
                      progress_min_bytes: int = PROGRESS_MIN_BYTES) -> ConvertReport:
     """Every model folder under ``path`` (a step-3 folder's actor/, critic/, actor_ema/): all or none."""
-    from patcher.checkpoint.check.model import load_config
+    from patcher.checkpoint.check.model import folder_kind, model_of
     from patcher.checkpoint.quiet import quiet
     from patcher.checkpoint.write.plan import make_plan
 
@@ -280,9 +349,9 @@ def convert_in_place(path, *, strategy: str = "clone", remove_bin: bool = False,
         jobs = []
         for folder in (f for f in folders if already[f] is None):
             reader = BinFolder(folder)
-            cfg, cfg_check, cfg_dtype = load_config(folder)
-            jobs.append(Job(reader, folder, True, folder, make_plan(reader, cfg, cfg_check, cfg_dtype, strategy, None),
-                            load, max_shard_size))
+            model = model_of(folder, folder_kind(reader.tensors))
+            plan = make_plan(reader, model, strategy, None)
+            jobs.append(Job(reader, folder, True, folder, plan, load, max_shard_size))
         staged = write(jobs, console, progress_min_bytes) if all(job.plan.ok for job in jobs) else []
     for job in jobs:
         if not job.plan.ok:

@@ -135,8 +135,8 @@ FORMS = {
 
 @dataclass(frozen=True)
 class CheckpointResult(Result, Checks):
-    """``dsfix convert``'s result for an engine or universal checkpoint, or a ``.bin`` folder (``form``), written
-    into ``--output``."""
+    """``dsfix convert``'s result for an engine or universal checkpoint, a PEFT run's adapter (merged or not), or a
+    ``.bin`` folder (``kind``), written into ``--output``."""
 
     path: str  # the checkpoint folder given
     output: str
@@ -153,14 +153,14 @@ class CheckpointResult(Result, Checks):
     written: tuple = ()
     bytes_written: int = 0
     note: str = ""
-    universal: bool = False  # a ds_to_universal folder, not the engine's own files
+    kind: str = "deepspeed-engine-checkpoint"  # or deepspeed-universal-checkpoint, peft-adapter, peft-merged,
+    # BIN_FOLDER, BIN_ALONE
     checkpoint: str = ""  # the checkpoint folder read: ``path`` itself, or the checkpoint-N chosen in a Trainer run
     chosen: str = ""  # how that checkpoint-N was chosen ("" when ``path`` is the checkpoint)
     producer: str = ""  # "trainer", "accelerate" or "" (engine.save_checkpoint), from the files beside it
     config: str = ""  # the folder config.json (generation config, tokenizer) came from
     config_own: bool = False  # that folder is the checkpoint's own (the Trainer's), not --config
     lora: Optional[dict] = None  # DeepSpeed-Chat LoRA layers fused: layers, ranks, lora_scaling, dtype, kept
-    form: str = ""  # "" (a DeepSpeed checkpoint), BIN_FOLDER or BIN_ALONE
     sources: tuple = ()  # a .bin folder's files read (pytorch_model.bin, or the shards)
     verb = "convert"
     warnings = ()
@@ -179,7 +179,7 @@ class CheckpointResult(Result, Checks):
         """What was read, in a few words (the lines before name the folders): ``checkpoint-N/global_stepN``,
         ``FOLDER/global_stepN``, ``FOLDER/pytorch_model.bin``."""
         folder = Path(self.checkpoint or self.path).name
-        what = examples(self.sources, 1) if self.form else self.tag
+        what = examples(self.sources, 1) if self.kind in FORMS else self.tag
         return what if folder == what else f"{folder}/{what}"
 
     def lora_line(self) -> str:
@@ -198,22 +198,30 @@ class CheckpointResult(Result, Checks):
         label = Path(self.checkpoint).name if self.chosen else self.path
         stage = f"ZeRO-{self.stage}" if self.stage is not None else "ZeRO"
         by = PRODUCERS.get(self.producer, "")
-        if self.form:
-            lines.append(f"{label}: {FORMS[self.form]}")
-        elif self.universal:
+        saved = f", saved by {by}" if by else ""
+        if self.kind in FORMS:
+            lines.append(f"{label}: {FORMS[self.kind]}")
+        elif self.kind == "peft-merged":
+            lines.append(f"{label}: a PEFT LoRA adapter merged into its base {self.config}")
+        elif self.kind == "peft-adapter":
+            lines.append(f"{label}: a PEFT LoRA run ({self.tag}, {stage}, {self.world} rank(s){saved}): its adapter "
+                         "from the engine files")
+        elif self.kind == "deepspeed-universal-checkpoint":
             lines.append(f"{label}: a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a "
                          f"{stage} run on {self.world} rank(s); one fp32 file a parameter)")
         else:
             lines.append(f"{label}: a DeepSpeed engine checkpoint ({self.tag}, {stage}, {self.world} rank(s), "
-                         f"{self.precision} optimizer states{f', saved by {by}' if by else ''})")
-        where = ("its own folder" if self.form else "the checkpoint's own folder") if self.config_own \
-            else f"--config {self.config}"
-        lines.append(f"config from {where}; written to {self.output}")
+                         f"{self.precision} optimizer states{saved})")
+        if self.kind.startswith("peft-"):  # the adapter's own files, or the base the line above names
+            lines.append(f"written to {self.output}")
+        else:
+            where = ("its own folder" if self.kind in FORMS else "the checkpoint's own folder") if self.config_own \
+                else f"--config {self.config}"
+            lines.append(f"config from {where}; written to {self.output}")
         return "\n".join(lines)
 
     def body(self) -> dict:
-        kind = self.form or ("deepspeed-universal-checkpoint" if self.universal else "deepspeed-engine-checkpoint")
-        return {"path": self.path, "kind": kind, "output": self.output, "status": self.status.value,
+        return {"path": self.path, "kind": self.kind, "output": self.output, "status": self.status.value,
                 "ok": self.ok, "tag": self.tag, "zero_stage": self.stage, "world_size": self.world,
                 "precision": self.precision, "dtype": self.dtype, "strategy": self.strategy, "tensors": self.tensors,
                 "lora": self.lora, "checkpoint": self.checkpoint, "chosen": self.chosen or None,

@@ -61,6 +61,10 @@ class Reader:
         of the write under way where a reader may keep scratch files (it removes them itself)."""
         raise NotImplementedError
 
+    def checks(self) -> list:
+        """What a step did, as rows for the reports (a reader has none)."""
+        return []
+
     def extra_files(self, folder: Path, dtype: Any) -> list:
         """Files of the reader's own written into ``folder`` beside the weights, after the stream: their checks."""
         return []

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from patcher.checkpoint.names import BIN_INDEX_NAME, BIN_NAME, examples
 from patcher.checkpoint.readers.base import Held, Put, Reader
 from patcher.checkpoint.readers.load import load_state_dict
+from patcher.checkpoint.readers.safetensors import Header, dtype_code
 from patcher.errors import DsfixError
 
 
@@ -91,6 +92,12 @@ class BinFolder(Reader):
     @property
     def name(self) -> str:
         return examples(self.sources)
+
+    @property
+    def header(self) -> Header:
+        """What the files hold, as a safetensors header says it (name -> shape, dtype code, file)."""
+        return Header(files=list(self.sources), entries={
+            k: (h.shape, dtype_code(h.dtype), self.origin[k]) for k, h in self.tensors.items()})
 
     def describe(self) -> str:
         how = "memory-mapped" if self.mmap else "read (not zip format, so not memory-mapped)"

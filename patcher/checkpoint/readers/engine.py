@@ -120,9 +120,7 @@ class EngineReader(Reader):
                                  path=str(self.model_files[0]))
         refuse.model_states(self.meta, self.model_files[0])
         self.stage = self._first_stage()
-        files = self.rank_files_read
-        self.world = int(self.meta.get("dp_world_size") or len(files))
-        self._check_world(files)
+        self.world = self._world()
         self._list_tensors()
 
     # ------------------------------------------------------------------ opening
@@ -132,22 +130,20 @@ class EngineReader(Reader):
         """(model_states files, optimizer files, their prefix), from file names (no torch)."""
         return step_files(folder, cls.stage3)
 
-    @property
-    def rank_files_read(self) -> tuple:
-        """The files there is one of per rank: what the world size is checked against."""
-        return self.optim_files
-
     def _first_stage(self) -> Optional[int]:
         """Rank 0's optimizer states, refused when not Adam's; the ZeRO stage they record."""
         osd = load_deepspeed(self.optim_files[0]).get("optimizer_state_dict")
         refuse.optimizer_states(osd, self.optim_files[0])
         return self._stage_of(osd, self.optim_files[0], None)
 
-    def _check_world(self, files: tuple) -> None:
-        check_ranks(self.folder, self.prefix, range(len(files)), self.world)
-        if self.world != len(files):
-            raise DsfixError(f"dp_world_size is {self.world} but there are {len(files)} optimizer files: "
+    def _world(self) -> int:
+        """The data-parallel world size the model_states record, checked against the optimizer files."""
+        world = int(self.meta.get("dp_world_size") or len(self.optim_files))
+        check_ranks(self.folder, self.prefix, range(len(self.optim_files)), world)
+        if world != len(self.optim_files):
+            raise DsfixError(f"dp_world_size is {world} but there are {len(self.optim_files)} optimizer files: "
                              "files left from another save?", path=str(self.folder))
+        return world
 
     def _list_tensors(self) -> None:
         """Trained parameters (fp32 masters), frozen ones and buffers (as trained), the recorded aliases."""

@@ -39,6 +39,7 @@ from patcher.checkpoint.names import (
     STEP3_SUBFOLDERS,
     examples,
 )
+from patcher.checkpoint.readers.peft import ADAPTER_CONFIG
 from patcher.errors import DsfixError
 
 LATEST = "latest"
@@ -228,6 +229,15 @@ def given_config(config) -> Path:
     if not (config / CONFIG_NAME).is_file():
         raise DsfixError(f"--config: no {CONFIG_NAME} in this folder", path=str(config))
     return config
+
+
+def adapter_folder(path, step: Path) -> Optional[Path]:
+    """The checkpoint's folder holding a PEFT run's ``adapter_config.json`` (the Trainer writes it into
+    checkpoint-N/ beside the engine files): ``path``, or the folder holding the step folder; None: not a PEFT run."""
+    for folder in (Path(path), Path(step).parent):
+        if (folder / ADAPTER_CONFIG).is_file():
+            return folder
+    return None
 
 
 def contents(folder) -> str:

@@ -100,25 +100,19 @@ def _load(path: Path, mapped: bool, deepspeed: bool) -> Any:
     try:
         with _allowed_globals() if deepspeed else _nothing():
             return torch.load(str(path), map_location="cpu", weights_only=True, mmap=mapped)
-    except pickle.UnpicklingError as e:
+    except pickle.UnpicklingError as e:  # a global weights_only does not admit: the one refusal
         found = re.search(r"GLOBAL ([\w.]+)", str(e)) or re.search(r"function (\S+)", str(e))
-        if not deepspeed:
-            what = f" ({found.group(1)})" if found else ""
-            raise DsfixError(f"refused: this pickle needs code to load{what}; nothing run, nothing written",
-                             path=str(path)) from None
-        what = found.group(1) if found else " ".join(str(e).split())[:120]
-        raise DsfixError(f"refused: this file needs {what} to load, which is not one of the types DeepSpeed "
-                         "checkpoints hold; nothing run, nothing written", path=str(path)) from None
+        what = f" ({found.group(1)})" if found else ""
+        raise DsfixError(f"refused: this pickle needs code to load{what}; nothing run, nothing written",
+                         path=str(path)) from None
     except (DsfixError, MemoryError):
         raise
     except Exception as e:
         msg = " ".join(str(e).split())
-        if not deepspeed:  # torch's first sentence (what went wrong, not its advice), or its first clause
-            said = msg.split(". ")[0]
-            said = said if len(said) <= 60 else said.split(": ")[0][:60]
-            raise DsfixError(f"not a readable torch.save file: {type(e).__name__}: {said}", path=str(path)) from e
-        raise DsfixError(f"not a readable torch.save file (truncated?): {type(e).__name__}: {msg[:160]}; "
-                         "nothing written", path=str(path)) from e
+        said = msg.split(". ")[0]  # torch's first sentence (what went wrong, not its advice), or its first clause
+        said = said if len(said) <= 60 else said.split(": ")[0][:60]
+        raise DsfixError(f"not a readable torch.save file (truncated?): {type(e).__name__}: {said}; nothing written",
+                         path=str(path)) from e
 
 
 @contextmanager

@@ -74,8 +74,13 @@ def header_of(tensors: dict, file: str) -> Header:
 # --------------------------------------------------------------------------- reading the headers
 
 
-def weight_files(folder: Path) -> tuple[list, Optional[dict], list]:
-    """(files, weight_map or None, problems). Raises DsfixError when there are no safetensors weights."""
+def weight_files(folder: Path, single: str = SINGLE_NAME) -> tuple[list, Optional[dict], list]:
+    """(files, weight_map or None, problems). Raises DsfixError when there are no safetensors weights. ``single``:
+    the one file's name (``adapter_model.safetensors`` for a PEFT adapter, never sharded)."""
+    if single != SINGLE_NAME:
+        if not (folder / single).is_file():
+            raise DsfixError(f"no {single} in this folder", path=str(folder))
+        return [single], None, []
     index = folder / INDEX_NAME
     if index.is_file():
         try:
@@ -136,9 +141,9 @@ class SafetensorsFolder(Reader):
     kind = "safetensors"
     random_access = True
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, single: str = SINGLE_NAME) -> None:
         super().__init__(folder)
-        files, weight_map, problems = weight_files(self.folder)
+        files, weight_map, problems = weight_files(self.folder, single)
         self.header = read_headers(self.folder, files, weight_map)
         self.header.problems[:0] = problems
         self.indexed = weight_map is not None

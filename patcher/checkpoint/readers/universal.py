@@ -59,10 +59,6 @@ class UniversalReader(EngineReader):
         raise DsfixError(f"a universal checkpoint folder ({PARAMS}/) without {MODEL12} or "
                          "zero_pp_rank_R_mp_rank_00_model_states.pt: ds_to_universal copies them in", path=str(folder))
 
-    @property
-    def rank_files_read(self) -> tuple:
-        return self.model_files
-
     def _first_stage(self) -> Optional[int]:
         stage = stage_of(self.meta)
         if stage is not None and (stage == 3) != self.stage3:
@@ -70,10 +66,12 @@ class UniversalReader(EngineReader):
                              f"ZeRO-{'3' if self.stage3 else '1/2'}", path=str(self.model_files[0]))
         return stage if stage is not None else (3 if self.stage3 else None)
 
-    def _check_world(self, files: tuple) -> None:
-        if self.stage3 and self.world != len(files):
-            raise DsfixError(f"dp_world_size is {self.world} but there are {len(files)} model_states files: "
+    def _world(self) -> int:
+        world = int(self.meta.get("dp_world_size") or len(self.model_files))
+        if self.stage3 and world != len(self.model_files):
+            raise DsfixError(f"dp_world_size is {world} but there are {len(self.model_files)} model_states files: "
                              "files left from another save?", path=str(self.folder))
+        return world
 
     @property
     def precision(self) -> str:

@@ -174,8 +174,8 @@ class FusedLoRA(Reader):
                 "lora_scaling": self.lora_scaling, "scaling_given": self.given,
                 "dtype": str(self.train_dtype).replace("torch.", ""), "kept": self.keep}
 
-    def check(self) -> Check:
-        return Check("lora", True, describe(self.modules, self.lora_scaling, self.train_dtype))
+    def checks(self) -> list:
+        return [Check("lora", True, describe(self.modules, self.lora_scaling, self.train_dtype))]
 
     def stream(self, put: Put, workdir: Optional[Path] = None) -> None:
         numels = {n: numel(h.shape) for n, h in self.inner.tensors.items()}

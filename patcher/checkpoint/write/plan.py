@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 from patcher.checkpoint.check.headers import Check, against_model, dtype_check
-from patcher.checkpoint.check.model import CRITIC, Expected, expected, folder_kind
+from patcher.checkpoint.check.model import CRITIC, Expected, Model
 from patcher.checkpoint.check.values import same_bits
 from patcher.checkpoint.names import CONFIG_NAME, examples
 from patcher.checkpoint.readers.base import Held, Reader, numel
@@ -52,8 +52,11 @@ class Plan(NamedTuple):
     ties: list  # what was done with tied aliases, for the reports ("restored X <- Y", "dropped X (dedupe)", ...)
     restored: list  # "ALIAS <- PARTNER": aliases the source lacked, written from their partner
     dropped: list  # aliases left out under dedupe
-    kind: str  # causal-lm or critic
-    expected: Optional[Expected]
+    model: Model  # what the written folder must hold
+
+    @property
+    def kind(self) -> str:
+        return self.model.kind
 
     @property
     def ok(self) -> bool:
@@ -89,28 +92,26 @@ def out_dtype(requested: str, cfg_dtype: Optional[str], reader: Reader) -> Any:
     return getattr(torch, name)
 
 
-def make_plan(reader: Reader, cfg: Any, cfg_check: Check, cfg_dtype: Optional[str], strategy: str,
-              dtype: Any) -> Plan:
-    """The plan for writing ``reader``'s tensors as the config's model (``cfg``), with the checks before writing."""
+def make_plan(reader: Reader, model: Model, strategy: str, dtype: Any) -> Plan:
+    """The plan for writing ``reader``'s tensors as ``model`` says the folder must hold them (a config's model, or
+    a PEFT adapter on its base), with the checks before writing."""
     if strategy not in STRATEGIES:
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
-    kind = folder_kind(list(reader.tensors) + list(reader.aliases))
-    checks = [Check("source", True, reader.describe()), cfg_check]
-    if cfg is None:
-        return Plan([], checks, [], [], [], kind, None)
-    model, failed = expected(cfg, kind)
-    if model is None:
-        return Plan([], checks + [failed], [], [], [], kind, None)
-    ties = _Ties(reader, model, strategy)
+    checks = [Check("source", True, reader.describe()), model.config_row]
+    checks += [model.base_row] if model.base_row is not None else []
+    if model.expected is None:
+        return Plan([], checks + [model.failed] if model.failed is not None else checks, [], [], [], model)
+    expected = model.expected
+    ties = _Ties(reader, expected, strategy)
     entries = [Entry(n, held.shape, _dtype(held, dtype), source) for n, (held, source) in ties.written.items()]
     head = header_of({e.name: Held(e.name, e.shape, e.dtype) for e in entries}, "(planned)")
-    keys, shapes, nonempty = against_model(head, model.shapes, model.tie_groups)
-    if kind == CRITIC:
-        keys = keys._replace(detail=f"{keys.detail} (critic: {model.built})")
-    checks += [keys, shapes, nonempty, dtype_check(head, cfg_dtype)[0]]
-    checks += [c for c in (_vocab_check(cfg, model, reader),) if c is not None]
-    checks.append(ties.check(model))
-    return Plan(entries, checks, ties.actions, ties.restored, ties.dropped, kind, model)
+    keys, shapes, nonempty = against_model(head, expected.shapes, expected.tie_groups)
+    if model.kind == CRITIC:
+        keys = keys._replace(detail=f"{keys.detail} (critic: {expected.built})")
+    checks += [keys, shapes, nonempty, dtype_check(head, model.dtype)[0]]
+    checks += [c for c in (_vocab_check(model.cfg, expected, reader),) if c is not None]
+    checks.append(ties.check(expected))
+    return Plan(entries, checks, ties.actions, ties.restored, ties.dropped, model)
 
 
 def _dtype(held: Held, dtype: Any) -> Any:

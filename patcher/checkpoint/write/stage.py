@@ -17,13 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from patcher.checkpoint.check.adapter import adapter_checks
 from patcher.checkpoint.check.headers import Check
 from patcher.checkpoint.check.load import critic_load_check, load_check
-from patcher.checkpoint.check.model import CRITIC
+from patcher.checkpoint.check.model import ADAPTER, CRITIC
 from patcher.checkpoint.check.values import same_bits
 from patcher.checkpoint.check.verify import verify_folder
 from patcher.checkpoint.names import CONFIG_NAME, COPIED, STAGING_PREFIX, examples
 from patcher.checkpoint.readers.base import Reader
+from patcher.checkpoint.readers.peft import ADAPTER_FILES, ADAPTER_WEIGHTS
 from patcher.checkpoint.readers.safetensors import SafetensorsFolder
 from patcher.checkpoint.write.files import clear_stale, fsync, fsync_folder, make_staging, release
 from patcher.checkpoint.write.plan import Plan
@@ -77,14 +79,15 @@ def stage_job(job: Job, advance: Callable[[int], None]) -> Staged:
 
 
 def _write_and_check(job: Job, staging: Path, advance: Callable[[int], None]) -> Staged:
-    writer = Writer(staging, job.plan.entries, job.reader.folder, job.limit, advance)
+    single = ADAPTER_WEIGHTS if job.plan.kind == ADAPTER else None
+    writer = Writer(staging, job.plan.entries, job.reader.folder, job.limit, advance, single)
     try:
         with ThreadPoolExecutor(max_workers=1) as disk:
             writer.open()
             job.reader.stream(writer.put, staging)
             names = writer.finish()
             kept = job.reader.extra_files(staging, job.plan.floating_dtype)
-            _copy_config(job.config, staging, everything=not job.in_place)
+            _copy_config(job, staging)
             synced = disk.submit(fsync_folder, staging)
             checks = _checks(job, staging, names, advance) + kept
             synced.result()  # a failed fsync (EIO, ENOSPC on write-back) fails the convert
@@ -97,17 +100,26 @@ def _write_and_check(job: Job, staging: Path, advance: Callable[[int], None]) ->
     return Staged(job, staging, moved, checks, sum((staging / n).stat().st_size for n in names))
 
 
-def _copy_config(config: Path, staging: Path, everything: bool) -> None:
-    """config.json (for the checks; into a new folder also the generation config and the tokenizer)."""
-    for name in (CONFIG_NAME,) + (COPIED if everything else ()):
-        if (config / name).is_file():
-            shutil.copyfile(config / name, staging / name)
+def _copy_config(job: Job, staging: Path) -> None:
+    """config.json (for the checks; into a new folder also the generation config and the tokenizer); a PEFT
+    adapter's adapter_config.json and model card, and the tokenizer."""
+    names: tuple
+    if job.plan.kind == ADAPTER:
+        names = ADAPTER_FILES + COPIED
+    else:
+        names = (CONFIG_NAME,) + (COPIED if not job.in_place else ())
+    for name in names:
+        if (job.config / name).is_file():
+            shutil.copyfile(job.config / name, staging / name)
 
 
 def _checks(job: Job, staging: Path, names: list, advance: Callable[[int], None]) -> list:
     """The written folder checked as ``dsfix verify`` does, what the plan checked that the folder cannot say
     (the source, the vocabulary, the LoRA fusion), a load, and the tensors read back (where the source allows)."""
     plan = job.plan
+    if plan.kind == ADAPTER:
+        with SafetensorsFolder(staging, single=ADAPTER_WEIGHTS) as written:
+            return [plan.checks[0]] + adapter_checks(written, plan.model, written.header, job.load)
     report = verify_folder(staging, expect=len(plan.entries), load=False)
     checks = [plan.checks[0]] + list(report.checks)
     tied = report.check("tied")

@@ -16,7 +16,7 @@ import ctypes
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 from patcher.checkpoint.names import INDEX_NAME, examples
 from patcher.errors import DsfixError
@@ -40,14 +40,14 @@ def _bytes_of(tensor: Any) -> memoryview:
 class Writer:
     """Writes ``entries`` (``plan.Entry``: name, shape, dtype, source) into ``folder``: ``open()`` lays the files out,
     ``put(source, first, data)`` writes a piece wherever it goes, ``finish()`` checks that every element came and
-    writes the index; ``close()`` closes what is open. The files: ``model.safetensors``, or
-    shards ``model-0000i-of-0000n.safetensors`` above ``limit`` bytes), ``where``: the source, which the refusals
-    name, ``advance(nbytes)``: progress."""
+    writes the index; ``close()`` closes what is open. The files: ``model.safetensors``, or shards
+    ``model-0000i-of-0000n.safetensors`` above ``limit`` bytes, or one file named ``single`` (a PEFT adapter's);
+    ``where``: the source, which the refusals name; ``advance(nbytes)``: progress."""
 
     def __init__(self, folder: Path, entries: list, where: Path, limit: int = MAX_SHARD_SIZE,
-                 advance: Callable[[int], None] = lambda n: None) -> None:
+                 advance: Callable[[int], None] = lambda n: None, single: Optional[str] = None) -> None:
         self.folder, self.entries, self.limit, self.advance = Path(folder), list(entries), int(limit), advance
-        self.where = where
+        self.where, self.single = where, single
         self.files: list = []
         self.names: list = []
         self.nbytes = 0
@@ -61,7 +61,10 @@ class Writer:
         from patcher.templates.dsfix_safetensors import PlannedTensor, layout_files
 
         planned = [PlannedTensor(e.name, e.dtype, tuple(int(d) for d in e.shape)) for e in self.entries]
-        self.files = layout_files(planned, self.limit)
+        if self.single is None:
+            self.files = layout_files(planned, self.limit)
+        else:  # one file of its own name, however large (a PEFT adapter's)
+            self.files = [f._replace(name=self.single) for f in layout_files(planned, sum(t.nbytes for t in planned))]
         home = {}
         for f in self.files:
             fd = os.open(str(self.folder / f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides

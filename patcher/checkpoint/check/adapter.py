@@ -1,0 +1,157 @@
+"""A PEFT adapter folder checked against its ``adapter_config.json`` and its base model's config.
+
+The expected keys and shapes are PEFT's own: the base model is built from its config on the meta device,
+``get_peft_model`` puts the adapter's layers on it as ``adapter_config.json`` says (``r``, the target modules,
+``modules_to_save``), and ``get_peft_model_state_dict`` names what ``save_pretrained`` would write. The folder's
+``adapter_model.safetensors`` must hold exactly that: every target module's ``lora_A`` (r x in) and ``lora_B``
+(out x r), non-empty, finite; and it must load into that model through PEFT's own ``set_peft_model_state_dict``
+with no adapter key missing or unexpected. An empty file (what PEFT writes at ZeRO-3 without the gather) fails
+with its cause and the command that recovers the adapter from the checkpoint's engine files.
+
+The base model's config: ``--base`` when given, else ``adapter_config.json``'s ``base_model_name_or_path`` when it
+is a folder here or a model in the Hugging Face cache (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from patcher.checkpoint.check.headers import Check, against_model, dtype_check, nonempty_check
+from patcher.checkpoint.check.model import ADAPTER, Expected, Model, load_config
+from patcher.checkpoint.check.values import finite_check
+from patcher.checkpoint.check.verify import VerifyReport
+from patcher.checkpoint.names import CONFIG_NAME, examples
+from patcher.checkpoint.readers.find import is_engine_checkpoint
+from patcher.checkpoint.readers.peft import ADAPTER_BIN, ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+from patcher.checkpoint.readers.safetensors import SafetensorsFolder
+from patcher.errors import DsfixError
+
+
+def base_config(config: dict, base: Optional[Path]) -> tuple[Any, Check]:
+    """(the base model's config or None, the "base" row): ``base`` when given, else the folder or cached model
+    ``base_model_name_or_path`` names."""
+    named = str(config.get("base_model_name_or_path") or "")
+    if base is not None:
+        cfg, check, _ = load_config(Path(base))
+        return cfg, check._replace(name="base", detail=f"{base}: {check.detail}")
+    if named and (Path(named) / CONFIG_NAME).is_file():
+        cfg, check, _ = load_config(Path(named))
+        return cfg, check._replace(name="base", detail=f"{named}: {check.detail}")
+    if named:
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(named, local_files_only=True)
+            return cfg, Check("base", True, f"{named} (the Hugging Face cache): model_type {cfg.model_type}")
+        except Exception:  # not a folder here, not in the cache
+            pass
+    where = f"{named} is neither a folder here nor in the Hugging Face cache" if named else "it names no base model"
+    return None, Check("base", False, f"{ADAPTER_CONFIG}'s base_model_name_or_path: {where}; pass --base BASE_DIR")
+
+
+def peft_model(config: dict, cfg: Any) -> Any:
+    """The PEFT model of ``config`` (adapter_config.json) on the base built from ``cfg``, on the meta device."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(**{k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__})
+    with torch.device("meta"):
+        return get_peft_model(AutoModelForCausalLM.from_config(cfg), lora)
+
+
+def adapter_model(folder: Path, base: Optional[Path] = None, config: Optional[dict] = None) -> Model:
+    """What the adapter of ``folder`` (its adapter_config.json, or ``config``) must hold, on its base model."""
+    from patcher.prereq import require_peft
+
+    config = config if config is not None else read_adapter_config(folder)
+    if config is None:
+        raise DsfixError(f"no {ADAPTER_CONFIG}: not a PEFT adapter folder", path=str(folder))
+    require_peft("a PEFT adapter's checks")
+    targets = config.get("target_modules")
+    detail = (f"PEFT {config.get('peft_type')}, r {config.get('r')}, lora_alpha {config.get('lora_alpha')}, targets "
+              f"{examples(sorted(targets)) if isinstance(targets, list) else targets}")
+    cfg, base_row = base_config(config, base)
+    model = Model(cfg, Check("config", True, detail), None, None, None, ADAPTER, config, base_row)
+    if cfg is None:
+        return model
+    try:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(peft_model(config, cfg))
+        shapes = {k: tuple(int(d) for d in v.shape) for k, v in state.items()}
+        return model._replace(expected=Expected(shapes, [], f"PEFT LoRA on {type(cfg).__name__}", None))
+    except Exception as e:
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return model._replace(failed=Check("keys", False, f"cannot build the adapter of {ADAPTER_CONFIG} on its base "
+                                                          f"on meta: {why}"))
+
+
+def adapter_checks(reader: Any, model: Model, head: Any, load: bool) -> list:
+    """The checks of an adapter's weights (``reader``'s, ``head`` its header) against ``model``."""
+    checks = [model.config_row, model.base_row]
+    if model.failed is not None:
+        checks.append(model.failed)
+    if model.expected is not None:
+        keys, shapes, nonempty = against_model(head, model.expected.shapes, [])
+        checks += [keys, shapes, nonempty] if head.entries else [keys, nonempty]  # no row holds over no tensor
+    else:
+        checks.append(nonempty_check(head))
+    if not head.entries:
+        return checks
+    checks += [dtype_check(head, None)[0], finite_check(reader, head)]
+    if load and model.expected is not None:
+        checks.append(adapter_load_check(reader, model))
+    return checks
+
+
+def adapter_load_check(reader: Any, model: Model) -> Check:
+    """The adapter loaded into its PEFT model by PEFT's own ``set_peft_model_state_dict``: no adapter key missing
+    or unexpected, no shape refused."""
+    from peft import set_peft_model_state_dict
+
+    if model.adapter is None:
+        return Check("load", False, f"no {ADAPTER_CONFIG} to build the adapter's model from")
+    state = {k: reader.slice(k)[:] if reader.tensors[k].shape else reader.slice(k) for k in reader.tensors}
+    try:
+        result = set_peft_model_state_dict(peft_model(model.adapter, model.cfg), state, low_cpu_mem_usage=True)
+    except Exception as e:
+        return Check("load", False, f"PEFT refused it: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+    problems = [f"{what}: {examples(keys)}" for what, keys in (("missing", missing),
+                                                               ("unexpected", list(result.unexpected_keys))) if keys]
+    if problems:
+        return Check("load", False, "PEFT's set_peft_model_state_dict: " + "; ".join(problems))
+    return Check("load", True, f"PEFT's set_peft_model_state_dict: {len(state)} tensors, none missing or unexpected")
+
+
+def verify_adapter(folder: Path, base: Optional[Path] = None, load: bool = True) -> VerifyReport:
+    """``dsfix verify`` of a PEFT adapter folder (a Trainer's ``checkpoint-N`` of a PEFT run, or what
+    ``dsfix convert`` wrote from one)."""
+    folder = Path(folder)
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        found = f"only {ADAPTER_BIN} (a pickle save)" if (folder / ADAPTER_BIN).is_file() else "no adapter weights"
+        raise DsfixError(f"{ADAPTER_CONFIG} but {found}: nothing to verify", path=str(folder))
+    model = adapter_model(folder, base)
+    with SafetensorsFolder(folder, single=ADAPTER_WEIGHTS) as reader:
+        head = reader.header
+        checks = adapter_checks(reader, model, head, load)
+        files = Check("files", not head.problems and bool(head.entries), "; ".join(head.problems) or reader.describe())
+        checks.insert(1, files)
+    cure = "" if head.entries else empty_adapter(folder)
+    if cure:
+        checks = [c._replace(ok=False, detail=cure) if c.name == "non-empty" else c for c in checks]
+    return VerifyReport(path=str(folder), ok=all(c.ok for c in checks), checks=tuple(checks), tensors=len(head.entries),
+                        dtype=dtype_check(head, None)[1], files=tuple(head.files),
+                        expected=len(model.expected.shapes) if model.expected is not None else None, kind=ADAPTER,
+                        cure=cure)
+
+
+def empty_adapter(folder: Path) -> str:
+    """Why an adapter file holds no tensor, and what recovers it: the one line verify fails with."""
+    if is_engine_checkpoint(folder):
+        return (f"{ADAPTER_WEIGHTS} holds 0 tensors (PEFT's save under ZeRO-3 without the gather); the adapter is in "
+                f"the engine files: dsfix convert {folder} --output ADAPTER_DIR")
+    return (f"{ADAPTER_WEIGHTS} holds 0 tensors (PEFT's save under ZeRO-3 without the gather?); convert the "
+            "checkpoint-N that holds global_stepN/ with dsfix convert")
