@@ -253,9 +253,9 @@ def test_an_in_place_report_says_each_folder_in_short_lines(capsys):
 
     root = "/tmp/pytest-of-someone/pytest-123/test_an_in_place_report_says_e0/step3"
     shards = tuple(f"pytorch_model-0000{i}-of-00003.bin" for i in (1, 2, 3))
+    written = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json")
     folders = tuple(FolderResult(
-        f"{root}/{name}", ConvertStatus.CONVERTED, True, kind="causal-lm", source=shards, tensors=311,
-        written=("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"),
+        f"{root}/{name}", ConvertStatus.CONVERTED, True, kind="causal-lm", source=shards, tensors=311, written=written,
         restored=("lm_head.weight <- model.embed_tokens.weight",), removed=shards + ("pytorch_model.bin.index.json",))
         for name in ("actor", "critic", "actor_ema"))
     report = ConvertReport(root, "clone", folders)
