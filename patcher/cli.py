@@ -216,7 +216,9 @@ def convert(
         help="A DeepSpeed checkpoint (latest + global_stepN/, or global_stepN/): a Trainer's checkpoint-N/, an "
         "accelerate save_state folder, an engine.save_checkpoint folder; a Trainer's output folder (its last "
         "checkpoint-N/ is converted); or a DeepSpeed-Chat output folder with pytorch_model.bin (or a sharded .bin "
-        "index) and config.json, or a step-3 folder holding actor/, critic/, actor_ema/ (converted in place).")],
+        "index) and config.json, or a step-3 folder holding actor/, critic/, actor_ema/ (converted in place); or "
+        "pytorch_model.bin alone (save_16bit_model, zero_to_fp32: with --config and --output). A Hugging Face "
+        "model folder has nothing to convert.")],
     strategy: Annotated[Strategy, typer.Option(
         help=f"clone: a tied alias is written as its own copy, restored when the .bin lacks it ({BUNDLED_TENSORS} "
         f"tensors for Qwen3-0.6B); dedupe: transformers' layout, the alias left out ({BUNDLED_TENSORS - 1}).")
@@ -228,9 +230,10 @@ def convert(
     config: Annotated[Optional[Path], typer.Option(
         "--config", help="DeepSpeed checkpoint: the model folder whose config.json, generation config and tokenizer "
         "go with the weights (default: the checkpoint's own folder when it holds config.json, as the Trainer's "
-        "checkpoint-N does; accelerate's save_state and engine.save_checkpoint need it).")] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", help="DeepSpeed checkpoint: the folder to write (new or "
-                                                                    "empty).")] = None,
+        "checkpoint-N does; accelerate's save_state, engine.save_checkpoint and save_16bit_model's "
+        "pytorch_model.bin need it).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", help="DeepSpeed checkpoint or .bin folder: the folder "
+                                                                    "to write (new or empty).")] = None,
     tag: Annotated[Optional[str], typer.Option(
         "--tag", help="DeepSpeed checkpoint: the step folder to read (default: latest's); in a Trainer's output "
         "folder, the checkpoint-N to convert (default: the last).")] = None,

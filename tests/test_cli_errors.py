@@ -1,7 +1,8 @@
-"""Every argument error of the torch side answers in one line before torch is imported, and no line dsfix prints
-on these paths is over 200 characters. One real process runs the whole table through ``patcher.cli.main``,
-checking after each row that neither torch nor transformers was imported (a row that imported them would make
-the rows after it fail too: the first failure names the culprit)."""
+"""Every argument error of the torch side answers in one line before torch is imported (and a folder with nothing
+to convert in the lines of its answer), and no line dsfix prints on these paths is over 200 characters. One real
+process runs the whole table through ``patcher.cli.main``, checking after each row that neither torch nor
+transformers was imported (a row that imported them would make the rows after it fail too: the first failure
+names the culprit)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ pytestmark = pytest.mark.slow  # one real process for the whole table, and three
 FILE_RULE = "is a file, not a folder; pass the folder that holds it"
 UTILS = "dschat/utils/utils.py"
 
-ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capitals are paths made below)
+CURE = ("dsfix: error: BINS: no config.json beside pytorch_model.bin, as save_16bit_model writes it: add --config "
+        "MODEL_DIR --output OUT")
+MODEL_FOLDER = ("nothing to convert in SAFETENSORS: a Hugging Face model folder already (model.safetensors, "
+                "config.json)", "check it with: dsfix verify SAFETENSORS")
+
+ROWS = [  # (id, arguments, exit code, the one stderr line, or the lines of a result: placeholders in capitals are
+    # paths made below)
     ("verify: no such folder", ["verify", "MISSING"], 2, "dsfix: error: MISSING: no such folder"),
     ("verify: a file", ["verify", "FILE"], 2, f"dsfix: error: FILE: {FILE_RULE}"),
     ("verify: no weights", ["verify", "EMPTY"], 2,
@@ -32,19 +39,33 @@ ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capi
     ("convert: an empty folder", ["convert", "EMPTY"], 2,
      "dsfix: error: EMPTY: no pytorch_model.bin (also not in actor/, critic/, actor_ema/), no latest, no "
      "checkpoint-N/; found an empty folder"),
-    ("convert: two engine options on a .bin folder", ["convert", "BINS", "--config", "EMPTY", "--output", "EMPTY"], 2,
-     "dsfix: error: BINS: --config, --output are for DeepSpeed checkpoints (latest, checkpoint-N/); a .bin output "
-     "folder is converted in place"),
-    ("convert: an engine option on a .bin folder", ["convert", "BINS", "--dtype", "bf16"], 2,
-     "dsfix: error: BINS: --dtype is for DeepSpeed checkpoints (latest, checkpoint-N/); a .bin output folder is "
-     "converted in place"),
-    ("convert: an engine option on a folder of neither kind", ["convert", "KEPT", "--output", "EMPTY/out"], 2,
-     "dsfix: error: KEPT: --output is for DeepSpeed checkpoints (latest, checkpoint-N/); none here, nor .bin "
-     "weights: found DeepSpeed-Chat/"),
-    ("convert: no config.json", ["convert", "BINS"], 2,
-     "dsfix: error: BINS: no config.json: convert needs the model's config to check the weights"),
-    ("convert: already safetensors", ["convert", "SAFETENSORS"], 0,
-     "nothing to convert in SAFETENSORS: it is already safetensors (model.safetensors)"),
+    ("convert: a .bin alone, --config without config.json", ["convert", "BINS", "--config", "EMPTY", "--output",
+                                                              "EMPTY"], 2,
+     "dsfix: error: EMPTY: --config: no config.json in this folder"),
+    ("convert: --dtype on a .bin folder, no --output", ["convert", "BINCFG", "--dtype", "bf16"], 2,
+     "dsfix: error: BINCFG: --dtype goes with --output OUT; without it a .bin folder is converted in place, in its "
+     "own dtype"),
+    ("convert: --config on a .bin folder, no --output", ["convert", "BINCFG", "--config", "SAFETENSORS"], 2,
+     "dsfix: error: BINCFG: --config goes with --output OUT; without it this .bin folder is converted in place, "
+     "with its own config.json"),
+    ("convert: --remove-bin into --output", ["convert", "BINCFG", "--output", "EMPTY/out", "--remove-bin"], 2,
+     "dsfix: error: BINCFG: --remove-bin is for a .bin folder converted in place; into --output it is left as it is"),
+    ("convert: --tag on a .bin folder", ["convert", "BINCFG", "--output", "EMPTY/out", "--tag", "global_step1"], 2,
+     "dsfix: error: BINCFG: --tag is for DeepSpeed checkpoints (latest, checkpoint-N/), not a .bin folder"),
+    ("convert: --output on a step-3 folder", ["convert", "STEP3", "--output", "EMPTY/out"], 2,
+     "dsfix: error: STEP3: --output: a step-3 folder's actor/, critic/, actor_ema/ are converted in place, without "
+     "options"),
+    ("convert: --output on a folder of neither kind", ["convert", "KEPT", "--output", "EMPTY/out"], 2,
+     "dsfix: error: KEPT: no pytorch_model.bin (also not in actor/, critic/, actor_ema/), no latest, no "
+     "checkpoint-N/; found DeepSpeed-Chat/"),
+    ("convert: pytorch_model.bin alone", ["convert", "BINS"], 2, CURE),
+    ("convert: pytorch_model.bin alone, --output only", ["convert", "BINS", "--output", "EMPTY/out"], 2, CURE),
+    ("convert: pytorch_model.bin alone, --config only", ["convert", "BINS", "--config", "SAFETENSORS"], 2, CURE),
+    ("convert: a Hugging Face model folder", ["convert", "SAFETENSORS"], 0, MODEL_FOLDER),
+    ("convert: a Hugging Face model folder, --output", ["convert", "SAFETENSORS", "--output", "EMPTY/out"], 0,
+     MODEL_FOLDER),
+    ("convert: safetensors without config.json", ["convert", "NOCONFIG"], 0,
+     "nothing to convert in NOCONFIG: it is already safetensors (model.safetensors)"),
     ("convert: an engine checkpoint without --output", ["convert", "ENGINE"], 2,
      "dsfix: error: ENGINE: a DeepSpeed checkpoint is converted into a new folder: convert needs --output OUT_DIR "
      "(new or empty)"),
@@ -62,9 +83,15 @@ ROWS = [  # (id, arguments, exit code, the one stderr line: placeholders in capi
     ("convert: a Trainer run, --tag a step folder", ["convert", "RUN", "--tag", "global_step2"], 2,
      "dsfix: error: RUN: --tag global_step2: here --tag names a checkpoint-N (checkpoint-2, checkpoint-10); for a "
      "step, give that checkpoint-N"),
-    ("convert: a Trainer run without DeepSpeed", ["convert", "PLAINRUN", "--output", "EMPTY/out"], 2,
-     "dsfix: error: PLAINRUN: checkpoint-3 holds no DeepSpeed checkpoint (no latest): found config.json, "
-     "model.safetensors, trainer_state.json"),
+    ("convert: a Trainer run without DeepSpeed", ["convert", "PLAINRUN", "--output", "EMPTY/out"], 0, (
+        "PLAINRUN: a Trainer run folder",
+        "chose checkpoint-3 (the last of checkpoint-3, as transformers' get_last_checkpoint picks it)",
+        "nothing to convert in PLAINRUN/checkpoint-3: a Hugging Face model folder already (model.safetensors, "
+        "config.json)",
+        "check it with: dsfix verify PLAINRUN/checkpoint-3")),
+    ("convert: a Trainer run whose last checkpoint holds neither", ["convert", "PARTRUN", "--output", "EMPTY/out"], 2,
+     "dsfix: error: PARTRUN: checkpoint-3 holds no DeepSpeed checkpoint (no latest): found model.safetensors, "
+     "trainer_state.json"),
     ("convert: --config names a file", ["convert", "ENGINE", "--config", "FILE", "--output", "EMPTY/out"], 2,
      f"dsfix: error: FILE: {FILE_RULE}"),
     ("convert: --remove-bin on an engine checkpoint", ["convert", "ENGINE", "--remove-bin"], 2,
@@ -128,13 +155,21 @@ def _paths(tmp_path) -> dict:
     made = {"MISSING": tmp_path / "no" / "such", "FILE": tmp_path / "notes.txt", "EMPTY": tmp_path / "empty",
             "BINS": tmp_path / "bins", "SAFETENSORS": tmp_path / "st", "ENGINE": tmp_path / "ckpt",
             "KEPT": tmp_path / "kept", "ACCEL": tmp_path / "state", "RUN": tmp_path / "run",
-            "PLAINRUN": tmp_path / "plainrun"}
+            "PLAINRUN": tmp_path / "plainrun", "BINCFG": tmp_path / "chat", "NOCONFIG": tmp_path / "noconfig",
+            "STEP3": tmp_path / "step3", "PARTRUN": tmp_path / "partrun"}
     made["FILE"].write_text("not a folder\n")
-    for key in ("EMPTY", "BINS", "SAFETENSORS", "KEPT"):
+    for key in ("EMPTY", "BINS", "SAFETENSORS", "KEPT", "BINCFG", "NOCONFIG"):
         made[key].mkdir()
-    (made["BINS"] / "pytorch_model.bin").write_bytes(b"")
-    (made["SAFETENSORS"] / "model.safetensors").write_bytes(b"")
+    (made["BINS"] / "pytorch_model.bin").write_bytes(b"")  # save_16bit_model's: the .bin alone
+    (made["BINCFG"] / "pytorch_model.bin").write_bytes(b"")  # DeepSpeed-Chat's: beside config.json
+    (made["BINCFG"] / "config.json").write_text("{}")
+    (made["SAFETENSORS"] / "model.safetensors").write_bytes(b"")  # save_pretrained's, save_only_model's
     (made["SAFETENSORS"] / "config.json").write_text("{}")
+    (made["NOCONFIG"] / "model.safetensors").write_bytes(b"")
+    for sub in ("actor", "critic"):  # DeepSpeed-Chat's step 3
+        (made["STEP3"] / sub).mkdir(parents=True)
+        (made["STEP3"] / sub / "pytorch_model.bin").write_bytes(b"")
+        (made["STEP3"] / sub / "config.json").write_text("{}")
     (made["ENGINE"] / "global_step1").mkdir(parents=True)
     (made["ENGINE"] / "latest").write_text("global_step1")
     (made["ENGINE"] / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"")
@@ -153,6 +188,9 @@ def _paths(tmp_path) -> dict:
     (made["PLAINRUN"] / "checkpoint-3").mkdir(parents=True)  # a Trainer run without DeepSpeed
     for name in ("config.json", "model.safetensors", "trainer_state.json"):
         (made["PLAINRUN"] / "checkpoint-3" / name).write_text("{}")
+    (made["PARTRUN"] / "checkpoint-3").mkdir(parents=True)  # neither a checkpoint nor a model folder
+    for name in ("model.safetensors", "trainer_state.json"):
+        (made["PARTRUN"] / "checkpoint-3" / name).write_text("{}")
     made["UNPATCHED"] = copy_fixture("package", tmp_path / "unpatched")
     made["PATCHED"] = copy_fixture("package", tmp_path / "patched")
     flow.apply(made["PATCHED"])
@@ -186,12 +224,13 @@ def answers(tmp_path_factory):
     p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argv)], env={**CLEAN_ENV, "PYTHONPATH": str(REPO)},
                        capture_output=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr.decode()[-3000:]
-    return {row[0]: (answer, row[2], fill(row[3])) for row, answer in zip(ROWS, json.loads(p.stdout))}
+    return {row[0]: (answer, row[2], [fill(line) for line in ([row[3]] if isinstance(row[3], str) else row[3])])
+            for row, answer in zip(ROWS, json.loads(p.stdout))}
 
 
 @pytest.mark.parametrize("name", [row[0] for row in ROWS])
 def test_answers_in_one_line_before_torch(answers, name):
-    answer, code, line = answers[name]
-    assert answer["stderr"].splitlines() == [line] and answer["code"] == code, answer
+    answer, code, lines = answers[name]
+    assert answer["stderr"].splitlines() == lines and answer["code"] == code, answer
     assert answer["imported"] == [], f"{name}: imported {answer['imported']} before answering"
     assert all(len(text) <= 200 for text in answer["stderr"].splitlines())

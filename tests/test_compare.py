@@ -155,8 +155,19 @@ def test_tied_alias_on_one_side_is_compared_through_its_partner(tmp_path, tiny_q
     dedupe = _folder(tmp_path / "dedupe", {k: v for k, v in state.items() if k != "lm_head.weight"}, config=config)
     report = compare.compare_folders(clone, dedupe)
     assert report.ok, report.checks
-    assert "lm_head.weight ~ model.embed_tokens.weight" in report.check("keys").detail
-    assert "lm_head.weight ~ model.embed_tokens.weight (folder) bit-equal" in report.check("tied").detail
+    # each side's own count: the clone holds 311, the dedupe 310; the alias is compared through its partner
+    assert report.check("keys").detail == ("311 tensors here, 310 in the reference; 311 compared, lm_head.weight "
+                                           "through its tied partner")
+    assert report.check("tied").detail == "lm_head.weight ~ model.embed_tokens.weight (folder) bit-equal"
+    assert [(r.name, r.ref) for r in report.rows if r.name != r.ref] == [("lm_head.weight",
+                                                                          "model.embed_tokens.weight")]
+    back = compare.compare_folders(dedupe, clone)  # the other way: the reference's alias is checked as a tie
+    assert back.ok and len(back.rows) == 310, back.checks
+    assert back.check("keys").detail == ("310 tensors here, 311 in the reference; 310 compared; the reference's "
+                                         "lm_head.weight checked as a tie")
+    assert back.check("tied").detail == "lm_head.weight ~ model.embed_tokens.weight (reference) bit-equal"
+    same = compare.compare_folders(clone, clone)
+    assert same.check("keys").detail == "311 tensors on both sides"
     untied = dict(state, **{"lm_head.weight": state["lm_head.weight"] + 1})
     report = compare.compare_folders(_folder(tmp_path / "untied", untied, config=config), dedupe, atol=10.0)
     assert not report.ok and [c.name for c in report.checks if not c.ok] == ["tied"]

@@ -58,6 +58,13 @@ def _cli(*args):
                           env=env, timeout=300)
 
 
+def _lines(proc) -> list:
+    """What dsfix printed on stderr, line by line: every line within 200 characters."""
+    lines = proc.stderr.splitlines()
+    assert [line for line in lines if len(line) > 200] == [], proc.stderr
+    return lines
+
+
 def _bits(t):
     return t.reshape(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -94,11 +101,15 @@ def test_a_trainer_run_folder_converts_its_last_checkpoint_with_no_other_flag(hf
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoint-2", "checkpoint-4"]
     proc = _cli("convert", run, "--output", tmp_path / "out", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first = proc.stderr.splitlines()[0]
-    assert first.startswith(f"{run}: a Trainer run folder; converting checkpoint-4 (the last of checkpoint-2, "
-                            "checkpoint-4, as transformers' get_last_checkpoint picks it"), first
-    assert "bf16 optimizer states, saved by the Hugging Face Trainer" in first
-    assert "config from the checkpoint's own folder" in first
+    lines = _lines(proc)  # what was chosen in the run folder, what it is, where the config came from and goes
+    assert lines[:4] == [
+        f"{run}: a Trainer run folder",
+        "converting checkpoint-4 (the last of checkpoint-2, checkpoint-4, as transformers' get_last_checkpoint picks "
+        "it; --tag checkpoint-N picks another)",
+        "checkpoint-4: a DeepSpeed engine checkpoint (global_step4, ZeRO-2, 2 rank(s), bf16 optimizer states, saved "
+        "by the Hugging Face Trainer)",
+        f"config from the checkpoint's own folder; written to {tmp_path / 'out'}"], lines
+    assert lines[-1] == f"converted checkpoint-4/global_step4 -> {tmp_path / 'out'}: 311 tensors, bfloat16, clone"
     data = json.loads(proc.stdout)
     assert (data["checkpoint"], data["tag"], data["precision"], data["producer"], data["config_from_checkpoint"]) == (
         str(run / "checkpoint-4"), "global_step4", "bf16", "trainer", True)
@@ -150,7 +161,7 @@ def test_an_fp32_trainer_run_is_called_fp32_and_matches_zero_to_fp32_and_its_bin
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
     assert (data["precision"], data["dtype"], data["zero_stage"]) == ("fp32", "float32", 2)
-    assert "fp32 optimizer states" in proc.stderr.splitlines()[0] and "fp16" not in proc.stderr
+    assert "fp32 optimizer states" in _lines(proc)[0] and "fp16" not in proc.stderr
     reference = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
     reference.pop("lm_head.weight", None)  # zero_to_fp32's alias of the embedding; checked as the tie below
     _assert_bit_equal(tmp_path / "out", reference)
@@ -163,7 +174,13 @@ def test_an_fp32_trainer_run_is_called_fp32_and_matches_zero_to_fp32_and_its_bin
     assert (tmp_path / "z2f" / "pytorch_model.bin").is_file()
     proc = _cli("verify", tmp_path / "out", "--against", tmp_path / "z2f", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _lines(proc)
     report = json.loads(proc.stdout)
+    keys = next(c for c in report["checks"] if c["name"] == "keys")  # each side's own count
+    held = len(torch.load(str(tmp_path / "z2f" / "pytorch_model.bin"), weights_only=True))
+    assert keys["detail"] == ("311 tensors on both sides" if held == 311 else
+                              f"311 tensors here, {held} in the reference; 311 compared, lm_head.weight through its "
+                              "tied partner")
     assert report["message"].startswith(f"matches {tmp_path / 'z2f'}: ") and report["message"].endswith("bit-equal")
     compared = report["folders"][0]["compared"]
     assert len(compared) == 311 and all(row["bit_equal"] for row in compared)

@@ -4,14 +4,17 @@ folders: the facts a conversion of them rests on (extended tier: ``python -m pyt
 One launch of 2 CPU ranks (gloo) runs, one after another in each rank's process
 (fixtures/step1_trainer/peft_ckpt.py), on the narrow tied Qwen3 in bf16: TRL's ``SFTTrainer`` with a LoRA
 adapter at ZeRO-2 and ZeRO-3, the plain ``Trainer`` on a PEFT model (with ``modules_to_save`` at ZeRO-2, without
-at ZeRO-3), a full fine-tune saved with ``save_only_model`` and a plain engine's ``save_16bit_model``. These tests
-read what the runs wrote and the run's own adapter read in the training process (``reference_*.safetensors``);
-they check no dsfix code.
+at ZeRO-3), a full fine-tune saved with ``save_only_model`` and a plain engine's ``save_16bit_model``. Most tests
+read what the runs wrote and the run's own adapter read in the training process (``reference_*.safetensors``),
+checking no dsfix code; the last ones run ``dsfix convert`` and ``dsfix verify`` on the two other producers'
+folders (every line they print within 200 characters).
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,9 +249,6 @@ def test_save_16bit_model_writes_a_bin_alone(peft_runs):
 
 
 def _cli(*args):
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}
     env.update(NO_COLOR="1", PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, "-m", "patcher", *map(str, args)], capture_output=True, text=True, env=env,
@@ -329,3 +329,90 @@ def test_merge_is_merge_and_unload_bit_for_bit_and_loads_tied(peft_runs, tmp_pat
     # the base's config, generation config and tokenizer beside the merged weights
     names = sorted(p.name for p in (tmp_path / "merged").iterdir())
     assert names == sorted(p.name for p in (peft_runs / "base").iterdir())
+
+
+# ----------------------------------------------------------------------------- dsfix on the other producers' folders
+
+
+def _lines(stderr: str) -> list:
+    """What dsfix printed on stderr, line by line: every line within 200 characters."""
+    lines = stderr.splitlines()
+    assert [line for line in lines if len(line) > 200] == [], stderr
+    return lines
+
+
+def test_convert_says_a_save_only_model_checkpoint_is_a_model_folder_and_verify_passes(peft_runs, tmp_path):
+    """Nothing to convert, with or without --output, given the checkpoint-N or the run folder; dsfix verify named."""
+    run = peft_runs / "save_only_model_z2"
+    checkpoint = run / "checkpoint-2"
+    answer = [f"nothing to convert in {checkpoint}: a Hugging Face model folder already (model.safetensors, "
+              "config.json)", f"check it with: dsfix verify {checkpoint}"]
+    chose = [f"{run}: a Trainer run folder",
+             "chose checkpoint-2 (the last of checkpoint-2, as transformers' get_last_checkpoint picks it)"]
+    for args, lines in (([checkpoint], answer), ([checkpoint, "--output", tmp_path / "out"], answer),
+                        ([run], chose + answer), ([run, "--output", tmp_path / "out"], chose + answer)):
+        code, stdout, stderr = _cli("convert", *args, "--json")
+        assert code == 0 and _lines(stderr) == lines, stderr
+        data = json.loads(stdout)
+        assert (data["status"], data["kind"], data["folder"], data["next"]) == (
+            "nothing to convert", "hugging-face-model-folder", str(checkpoint), f"dsfix verify {checkpoint}")
+    assert not (tmp_path / "out").exists()
+
+    code, _, stderr = _cli("verify", checkpoint, "--json")
+    assert code == 0, stderr[-3000:]
+    assert _lines(stderr)[-1].startswith("all checks hold: 311 tensors, causal LM")
+    # against the base model (310 tensors, the tied alias left out): each side's own count in the keys row; the
+    # values differ, as training changed them (or first the dtypes, if the Trainer saved another than the base's)
+    code, stdout, stderr = _cli("verify", checkpoint, "--against", peft_runs / "base", "--json")
+    assert code == 1, stderr[-3000:]
+    _lines(stderr)
+    report = json.loads(stdout)
+    keys = next(c for c in report["checks"] if c["name"] == "keys")
+    assert keys == {"name": "keys", "ok": True, "detail": "311 tensors here, 310 in the reference; 311 compared, "
+                                                          "lm_head.weight through its tied partner"}
+    dtypes = {t.dtype for t in _tensors(checkpoint / "model.safetensors").values()}
+    assert report["first_difference"].startswith("values: " if dtypes == {torch.bfloat16} else "dtypes: ")
+
+
+def test_save_16bit_model_converts_with_config_and_output(peft_runs, tmp_path):
+    """pytorch_model.bin alone: one line names the cure; with --config BASE --output OUT it is converted through
+    the one pipeline, bit-equal to the engine's own parameters, verified, and loads tied."""
+    from transformers import AutoModelForCausalLM
+
+    from patcher.checkpoint.check.load import dtype_kwarg
+
+    run, base, out = peft_runs / "save16_z3", peft_runs / "base", tmp_path / "out"
+    model = run / "model"
+    cure = (f"dsfix: error: {model}: no config.json beside pytorch_model.bin, as save_16bit_model writes it: add "
+            "--config MODEL_DIR --output OUT")
+    for args in ([], ["--output", out], ["--config", base]):
+        code, _, stderr = _cli("convert", model, *args)
+        assert code == 2 and _lines(stderr) == [cure], stderr
+    assert not out.exists()
+
+    code, stdout, stderr = _cli("convert", model, "--config", base, "--output", out, "--json")
+    assert code == 0, stderr[-3000:]
+    lines = _lines(stderr)
+    assert lines[:2] == [f"{model}: pytorch_model.bin alone, no config.json (as DeepSpeed's save_16bit_model and "
+                         "zero_to_fp32 write it)", f"config from --config {base}; written to {out}"], lines
+    assert lines[-1] == f"converted model/pytorch_model.bin -> {out}: 311 tensors, bfloat16, clone"
+    data = json.loads(stdout)
+    assert (data["kind"], data["config"], data["config_from_checkpoint"], data["dtype"], data["tensors"]) == (
+        "bin-without-config", str(base), False, "bfloat16", 311)
+    assert {c["name"] for c in data["checks"]} >= {"source", "keys", "tied", "load", "equal"}
+    assert all(c["ok"] for c in data["checks"])
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (base / name).read_bytes(), name
+
+    written = _tensors(out / "model.safetensors")
+    reference = torch.load(str(run / "reference.pt"), weights_only=True)["state_dict"]
+    assert set(written) == set(reference) and all(_equal(written[k], reference[k]) for k in reference)
+    code, _, stderr = _cli("verify", out)
+    assert code == 0, stderr[-3000:]
+    _lines(stderr)
+    code, stdout, stderr = _cli("verify", out, "--against", model, "--json")  # the .bin itself as the reference
+    assert code == 0, stderr[-3000:]
+    _lines(stderr)
+    assert json.loads(stdout)["message"] == f"matches {model}: 311 tensors compared, 311 bit-equal"
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), **{dtype_kwarg(): torch.bfloat16})
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight

@@ -208,6 +208,8 @@ def test_verify_refuses_before_reading(tmp_path, make, message, entry):
      "no pytorch_model.bin (also not in actor/, critic/, actor_ema/), no latest, no checkpoint-N/; found "
      "notes.txt"),
     (lambda p: write(p, {"pytorch_model.bin": ""}), {},
+     "no config.json beside pytorch_model.bin, as save_16bit_model writes it: add --config MODEL_DIR --output OUT"),
+    (lambda p: write((p / "actor").mkdir() or p / "actor", {"pytorch_model.bin": ""}).parent, {},  # step 3's
      "no config.json: convert needs the model's config to check the weights"),
     (lambda p: write(p, {"pytorch_model.bin.index.json": {"weight_map": {"a": "../x.bin"}}}), {},
      "pytorch_model.bin.index.json names shards outside the folder: ../x.bin"),
@@ -220,14 +222,56 @@ def test_convert_refuses_before_loading(tmp_path, make, kwargs, message):
     assert e.value.message == message and e.value.code == 2
 
 
-def test_convert_leaves_a_safetensors_folder_alone(tmp_path):
+@pytest.mark.parametrize("kwargs", [{}, {"output": "out"}, {"output": "out", "config": "cfg", "dtype": "bf16"}])
+def test_convert_leaves_a_model_folder_alone_and_names_verify(tmp_path, kwargs):
     from patcher.checkpoint.convert import convert
 
     write(tmp_path, {"model.safetensors": "", "config.json": "{}"})
+    report = convert(tmp_path, **{k: (tmp_path / v if k in ("output", "config") else v) for k, v in kwargs.items()})
+    assert (report.ok, report.status, report.exit_code) == (True, "nothing to convert", 0)
+    assert report.message == (f"nothing to convert in {tmp_path}: a Hugging Face model folder already "
+                              "(model.safetensors, config.json)")
+    data = report.to_dict()
+    assert (data["kind"], data["folder"], data["next"]) == ("hugging-face-model-folder", str(tmp_path),
+                                                          f"dsfix verify {tmp_path}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_leaves_safetensors_without_config_alone(tmp_path):
+    from patcher.checkpoint.convert import convert
+
+    write(tmp_path, {"model.safetensors": ""})
     report = convert(tmp_path)
     assert (report.ok, report.status, report.exit_code) == (True, "nothing to convert", 0)
-    assert report.folders[0].note == "it is already safetensors (model.safetensors)"
     assert report.message == f"nothing to convert in {tmp_path}: it is already safetensors (model.safetensors)"
+
+
+def test_an_in_place_report_says_each_folder_in_short_lines(capsys):
+    """A step-3 folder of sharded .bin folders converted in place: one summary line a folder, then its files, then
+    its kind; the report's message names each folder's status; no line over 200 characters with a long path."""
+    from patcher.checkpoint.convert import ConvertReport, ConvertStatus, FolderResult
+
+    root = "/tmp/pytest-of-someone/pytest-123/test_an_in_place_report_says_e0/step3"
+    shards = tuple(f"pytorch_model-0000{i}-of-00003.bin" for i in (1, 2, 3))
+    written = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json")
+    folders = tuple(FolderResult(
+        f"{root}/{name}", ConvertStatus.CONVERTED, True, kind="causal-lm", source=shards, tensors=311, written=written,
+        restored=("lm_head.weight <- model.embed_tokens.weight",), removed=shards + ("pytorch_model.bin.index.json",))
+        for name in ("actor", "critic", "actor_ema"))
+    report = ConvertReport(root, "clone", folders)
+    assert folders[0].summary() == f"converted {root}/actor: 311 tensors (clone; restored lm_head.weight <- " \
+                                   "model.embed_tokens.weight)"
+    assert folders[0].files() == ("pytorch_model-00001-of-00003.bin (+2 more) -> model-00001-of-00002.safetensors "
+                                  "(+2 more); removed pytorch_model-00001-of-00003.bin (+3 more)")
+    assert report.message == f"{root}: actor converted, critic converted, actor_ema converted"
+    from patcher.console import Stderr
+
+    report.render(Stderr(), {})  # plain lines on stderr (no checks here, so no table)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:4] == [f"{root}: DeepSpeed-Chat .bin output (converted in place)", folders[0].summary(),
+                         folders[0].files(), "actor: causal LM (a Trainer's or accelerate's model, DeepSpeed-Chat's "
+                         "step-1 model or step-3 actor/EMA)"]
+    assert max(len(line) for line in lines + [report.message]) <= 200
 
 
 # ----------------------------------------------------------------------------- smoke, its worker, the ranks

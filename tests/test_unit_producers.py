@@ -1,7 +1,9 @@
 """Fast tier: which checkpoint ``dsfix convert`` reads where the Hugging Face Trainer and accelerate write them
 (a run folder's checkpoint-N, the checkpoint's own config.json), what it calls the run's precision, who wrote
-it, and the staging folder's mode. Folders of empty files shaped as transformers 4.57, accelerate 1.16 and
-DeepSpeed 0.19.8 write them (the real runs: tests/test_hf_runs.py, extended tier)."""
+it, and the staging folder's mode; which folders already are a Hugging Face model (save_pretrained, save_model(),
+save_only_model) and where a ``.bin`` folder (DeepSpeed-Chat's, save_16bit_model's) is written. Folders of empty
+files shaped as transformers 4.57, accelerate 1.16 and DeepSpeed 0.19.8 write them (the real runs:
+tests/test_hf_runs.py and tests/test_peft_runs.py, extended tier)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from patcher.checkpoint.convert import command
 from patcher.checkpoint.readers import find
 from patcher.checkpoint.readers.engine import precision_of, step_files
 from patcher.checkpoint.write.files import make_staging
@@ -144,6 +147,97 @@ def test_who_wrote_the_checkpoint(tmp_path, files, expect):
     for name in files:
         (tmp_path / name).touch()
     assert find.producer_of(tmp_path) == expect
+
+
+def _files(folder: Path, *names: str) -> Path:
+    """Empty files (and the folders they need) under ``folder``."""
+    for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).touch()
+    return folder
+
+
+HF = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json")  # save_pretrained's
+ONLY_MODEL = HF + ("trainer_state.json", "training_args.bin", "rng_state_0.pth")  # a save_only_model checkpoint-N
+
+MODEL_FOLDERS = [  # (make the folder, --tag, the model folder chosen relative to root / the error's words / None)
+    (lambda r: _files(r, *HF), None, "."),  # save_pretrained, the Trainer's save_model()
+    (lambda r: _files(r, *HF), "global_step2", "."),  # a --tag changes nothing there
+    (lambda r: _files(r, "config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                      "model-00002-of-00002.safetensors"), None, "."),  # sharded
+    (lambda r: _files(r, "model.safetensors"), None, None),  # no config.json: not a model folder
+    (lambda r: _files(r, *HF, "pytorch_model.bin"), None, None),  # a .bin folder converted in place, .bin kept
+    (lambda r: _files(r, "adapter_config.json", "adapter_model.safetensors"), None, None),  # a PEFT adapter
+    # the Trainer's checkpoint-N at ZeRO-3 with the 16-bit gather on: the engine's files are read
+    (lambda r: (_checkpoint(r, 2), _files(r, "model.safetensors")), None, None),
+    (lambda r: _run(r), None, None),  # a DeepSpeed run: its checkpoints are converted
+    (lambda r: [_files(r / f"checkpoint-{n}", *ONLY_MODEL) for n in (2, 10)], None, "checkpoint-10"),
+    (lambda r: [_files(r / f"checkpoint-{n}", *ONLY_MODEL) for n in (2, 10)], "checkpoint-2", "checkpoint-2"),
+    (lambda r: [_files(r / f"checkpoint-{n}", *ONLY_MODEL) for n in (2, 10)], "checkpoint-7",
+     "--tag checkpoint-7: no such checkpoint here; the run saved checkpoint-2, checkpoint-10"),
+    (lambda r: (_files(r / "checkpoint-2", *ONLY_MODEL), _checkpoint(r / "checkpoint-4", 4)), None, None),
+    (lambda r: (_run(r), _files(r / "checkpoint-12", *ONLY_MODEL)), "checkpoint-2", None),  # --tag: an engine one
+    # the Trainer's save_model() into its output folder after DeepSpeed checkpoints: that final save itself,
+    # unless --tag names a checkpoint
+    (lambda r: (_run(r), _files(r, *HF)), None, "."),
+    (lambda r: (_run(r), _files(r, *HF)), "checkpoint-9", None),
+    (lambda r: (_files(r, "pytorch_model.bin", "config.json"), _files(r / "checkpoint-3", *ONLY_MODEL)), None, None),
+]
+
+
+@pytest.mark.parametrize("make,tag,expect", MODEL_FOLDERS)
+def test_a_folder_that_already_is_a_model(tmp_path, make, tag, expect):
+    root = tmp_path / "output"
+    root.mkdir()
+    make(root)
+    if expect is not None and " " in expect:
+        with pytest.raises(DsfixError) as info:
+            find.choose_model_folder(root, tag)
+        assert expect in info.value.message and "\n" not in info.value.message
+        return
+    chosen = find.choose_model_folder(root, tag)
+    if expect is None:
+        assert chosen is None and command.model_folder(root, tag) is None
+        return
+    assert chosen.path == (root if expect == "." else root / expect) and find.is_model_folder(chosen.path)
+    assert (chosen.note == "") == (expect == ".")
+    answer = command.model_folder(root, tag)
+    assert (answer.folder, answer.chosen, answer.next_step) == (str(chosen.path), chosen.note,
+                                                                f"dsfix verify {chosen.path}")
+    assert answer.exit_code == 0 and answer.message.startswith(f"nothing to convert in {chosen.path}: ")
+
+
+CURE = "no config.json beside {}, as save_16bit_model writes it: add --config MODEL_DIR --output OUT"
+BIN_TARGETS = [  # (files, --config given, --output given, --remove-bin, True: into --output / False: in place /
+    # the error's words)
+    (("pytorch_model.bin",), False, False, False, CURE.format("pytorch_model.bin")),  # save_16bit_model's
+    (("pytorch_model.bin",), False, True, False, CURE.format("pytorch_model.bin")),
+    (("pytorch_model.bin",), True, False, False, CURE.format("pytorch_model.bin")),
+    (("pytorch_model.bin",), True, True, False, True),
+    (("pytorch_model.bin",), True, True, True, "--remove-bin is for a .bin folder converted in place"),
+    (("pytorch_model.bin.index.json", "pytorch_model-00001-of-00001.bin"), False, True, False,
+     CURE.format("pytorch_model.bin.index.json")),  # zero_to_fp32's shards
+    (("pytorch_model.bin", "config.json"), False, False, False, False),  # DeepSpeed-Chat's: in place
+    (("pytorch_model.bin", "config.json"), False, True, False, True),
+    (("pytorch_model.bin", "config.json"), True, True, False, True),  # --config wins, as for a checkpoint
+    (("pytorch_model.bin", "config.json"), True, False, False, "--config goes with --output OUT"),
+    (("pytorch_model.bin", "config.json"), False, False, True, False),  # --remove-bin in place
+    (("actor/pytorch_model.bin", "actor/config.json", "critic/pytorch_model.bin"), False, True, False, False),
+]
+
+
+@pytest.mark.parametrize("files,config,output,remove_bin,expect", BIN_TARGETS)
+def test_where_a_bin_folder_is_written(tmp_path, files, config, output, remove_bin, expect):
+    folder = _files(tmp_path / "bins", *files)
+    if files[0].endswith(".index.json"):
+        (folder / files[0]).write_text('{"weight_map": {"a": "%s"}}' % files[1])
+    args = (folder, tmp_path if config else None, tmp_path / "out" if output else None, remove_bin)
+    if isinstance(expect, str):
+        with pytest.raises(DsfixError) as info:
+            command.into_output(*args)
+        assert expect in info.value.message and info.value.path == str(folder)
+        return
+    assert command.into_output(*args) is expect
 
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o002, 0o775), (0o077, 0o700)])

@@ -157,9 +157,22 @@ def _pairs(head: Header, ref_head: Header, partner: dict) -> tuple[list, Check]:
         parts = ([f"{len(missing)} only in the reference: {examples(missing)}"] if missing else []) + \
                 ([f"{len(extra)} not in the reference: {examples(extra)}"] if extra else [])
         return pairs, Check("keys", False, "; ".join(parts))
-    aliased = [f"{a} ~ {b}" for a, b in pairs if a != b]
-    return pairs, Check("keys", True, f"{len(pairs)} tensors on both sides" +
-                        (f"; tied aliases compared through their partner: {examples(aliased)}" if aliased else ""))
+    return pairs, Check("keys", True, _counts(len(head.entries), len(ref_head.entries), pairs,
+                                              [n for n in ref_head.entries if n not in head.entries]))
+
+
+def _counts(here: int, there: int, pairs: list, ref_only: list) -> str:
+    """The keys row: each side's count and how many were compared, naming the tied aliases stored on one side
+    only (the folder's compared through their partner in the reference; the reference's checked as ties)."""
+    aliased = [a for a, b in pairs if a != b]
+    if here == there == len(pairs) and not aliased:
+        return f"{here} tensors on both sides"
+    text = f"{here} tensors here, {there} in the reference; {len(pairs)} compared"
+    if aliased:
+        text += f", {examples(aliased)} through {'its' if len(aliased) == 1 else 'their'} tied partner"
+    if ref_only:
+        text += f"; the reference's {examples(ref_only)} checked as {'a tie' if len(ref_only) == 1 else 'ties'}"
+    return text
 
 
 def _row(reader: Any, head: Header, ref_reader: Any, ref_head: Header, name: str, ref: str, atol: float,

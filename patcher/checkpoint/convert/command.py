@@ -5,7 +5,12 @@
   DeepSpeed-Chat LoRA factors fused (:mod:`patcher.checkpoint.steps.lora`), into a new folder ``--output`` with
   the config, generation config and tokenizer of the checkpoint's own folder or ``--config``;
 * a ``.bin`` output folder (``pytorch_model.bin`` or its index beside ``config.json``, or a step-3 folder of
-  them): each converted in place, all folders or none, the ``.bin`` kept unless ``--remove-bin``.
+  them): each converted in place, all folders or none, the ``.bin`` kept unless ``--remove-bin``; with
+  ``--output``, into that new folder as a checkpoint is;
+* ``pytorch_model.bin`` alone (DeepSpeed's ``save_16bit_model``, ``zero_to_fp32``): into ``--output``, with the
+  config, generation config and tokenizer of ``--config``; without them, one line says so;
+* a Hugging Face model folder already (a Trainer run folder's chosen ``checkpoint-N`` too): nothing to convert,
+  whatever the options; ``dsfix verify`` checks it.
 
 Then, for each: the plan against the config's model (:func:`patcher.checkpoint.write.plan.make_plan`; a failed
 check writes nothing, exit 1), and :func:`patcher.checkpoint.write.write`: staged, checked as ``dsfix verify``
@@ -20,7 +25,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from patcher.checkpoint.convert.peft import reader_of as peft_reader_of
-from patcher.checkpoint.convert.report import CheckpointResult, ConvertReport, ConvertStatus, FolderResult
+from patcher.checkpoint.convert.report import (
+    BIN_ALONE,
+    BIN_FOLDER,
+    CheckpointResult,
+    ConvertReport,
+    ConvertStatus,
+    FolderResult,
+    ModelFolderResult,
+)
 from patcher.checkpoint.names import (
     BIN_INDEX_NAME,
     BIN_NAME,
@@ -35,8 +48,10 @@ from patcher.checkpoint.readers.find import (
     Chosen,
     adapter_folder,
     choose_checkpoint,
+    choose_model_folder,
     config_for,
     contents,
+    given_config,
     is_engine_checkpoint,
     model_folders,
     producer_of,
@@ -59,6 +74,9 @@ def convert(path, *, output=None, config=None, tag: Optional[str] = None, dtype:
     need_folder(path)
     if strategy not in STRATEGIES:
         raise DsfixError(f"--strategy must be clone or dedupe, not {strategy}")
+    model = model_folder(path, tag)
+    if model is not None:
+        return model
     for option in (config, base):
         if option is not None:
             need_folder(option)
@@ -71,17 +89,51 @@ def convert(path, *, output=None, config=None, tag: Optional[str] = None, dtype:
         return convert_checkpoint(path, config, lora_scaling=lora_scaling, keep_lora=keep_lora, **into)
     if is_adapter_folder(path):
         return convert_adapter_folder(path, **into)
-    given = [n for n, v in (("--config", config), ("--output", output), ("--tag", tag), ("--base", base),
-                            ("--merge", merge or None), ("--lora-scaling", lora_scaling),
-                            ("--keep-lora", keep_lora or None)) if v is not None]
-    if given or dtype != "auto":
-        options = given or ["--dtype"]
-        what = ("a .bin output folder is converted in place" if bins else
-                f"none here, nor .bin weights: found {contents(path)}")
-        raise DsfixError(f"{', '.join(options)} {'is' if len(options) == 1 else 'are'} for DeepSpeed checkpoints "
-                         f"(latest, checkpoint-N/); {what}", path=str(path))
+    if bins and into_output(path, config, output, remove_bin):
+        return convert_bin(path, config, lora_scaling=lora_scaling, keep_lora=keep_lora, **into)
+    if bins:
+        _in_place_options(path, config=config, output=output, tag=tag, dtype=dtype, lora_scaling=lora_scaling,
+                          keep_lora=keep_lora, base=base, merge=merge)
     return convert_in_place(path, strategy=strategy, remove_bin=remove_bin, load=load, console=console,
                             max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
+
+
+def _no_checkpoint_options(path, tag, lora_scaling, keep_lora, base, merge) -> None:
+    """A .bin folder has no steps, no LoRA factors to fuse and no adapter: --tag, --lora-scaling, --keep-lora,
+    --base and --merge are refused."""
+    given = [n for n, v in (("--tag", tag), ("--lora-scaling", lora_scaling), ("--keep-lora", keep_lora or None),
+                            ("--base", base), ("--merge", merge or None)) if v is not None]
+    if given:
+        raise DsfixError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for DeepSpeed checkpoints "
+                         "(latest, checkpoint-N/), not a .bin folder", path=str(path))
+
+
+def _in_place_options(path, *, config, output, tag, dtype, lora_scaling, keep_lora, base, merge) -> None:
+    """A .bin folder converted in place takes none of the options of a conversion into a new folder."""
+    _no_checkpoint_options(path, tag, lora_scaling, keep_lora, base, merge)
+    given = [n for n, v in (("--config", config), ("--output", output)) if v is not None] + \
+        (["--dtype"] if dtype != "auto" else [])
+    if not given:
+        return
+    if model_folders(path) != [Path(path)]:
+        raise DsfixError(f"{', '.join(given)}: a step-3 folder's actor/, critic/, actor_ema/ are converted in place, "
+                         "without options", path=str(path))
+    raise DsfixError(f"{', '.join(given)} goes with --output OUT; without it a .bin folder is converted in place, in "
+                     "its own dtype", path=str(path))
+
+
+# --------------------------------------------------------------------------- a Hugging Face model folder already
+
+
+def model_folder(path, tag: Optional[str] = None) -> Optional[ModelFolderResult]:
+    """Nothing to convert where ``path`` already is a Hugging Face model folder, or is a Trainer run folder whose
+    chosen ``checkpoint-N`` is one (``save_only_model``, a run without DeepSpeed): the same answer whatever the
+    options, naming ``dsfix verify``. None where there is something to convert. From file names (no torch)."""
+    chosen = choose_model_folder(path, tag)
+    if chosen is None:
+        return None
+    weights = tuple(n for n in (SINGLE_NAME, INDEX_NAME) if (chosen.path / n).is_file())
+    return ModelFolderResult(str(path), str(chosen.path), weights, chosen.note)
 
 
 # --------------------------------------------------------------------------- a DeepSpeed checkpoint, into --output
@@ -158,7 +210,7 @@ def _into_output(reader: Any, model: Any, output: Path, config: Path, dtype: str
     written_dtype = out_dtype(dtype, model.dtype, reader)
     plan = make_plan(reader, model, described.strategy, written_dtype)
     plan.checks.extend(reader.checks())
-    dtype_name = str(written_dtype or _first_dtype(plan)).replace("torch.", "")
+    dtype_name = str(written_dtype or plan.floating_dtype or "").replace("torch.", "")  # a .bin keeps its own
     failed = replace(described, checks=tuple(plan.checks), dtype=dtype_name, note="a check failed before writing")
     if not plan.ok:
         return failed
@@ -168,10 +220,6 @@ def _into_output(reader: Any, model: Any, output: Path, config: Path, dtype: str
                        note="a check of the written folder failed")
     return replace(failed, status=ConvertStatus.CONVERTED, ok=True, checks=tuple(done.checks), note="",
                    tensors=len(plan.entries), written=tuple(done.names), bytes_written=done.nbytes)
-
-
-def _first_dtype(plan: Any) -> Any:
-    return next((e.dtype for e in plan.entries if e.dtype.is_floating_point), "")
 
 
 # --------------------------------------------------------------------------- a PEFT adapter folder
@@ -206,6 +254,57 @@ def convert_adapter_folder(path, *, output=None, tag: Optional[str] = None, dtyp
         described = CheckpointResult(path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False,
                                      kind="peft-merged", tag=ADAPTER_WEIGHTS, strategy=strategy, checkpoint=str(path),
                                      config=str(config))
+        return _into_output(reader, model, output, config, dtype, described, load=load, console=console,
+                            max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
+
+
+# --------------------------------------------------------------------------- a .bin folder, into --output
+
+
+def into_output(path, config, output, remove_bin: bool) -> bool:
+    """Whether the ``.bin`` folder ``path`` is converted into a new folder: it has ``--output`` (and its own
+    config.json or ``--config``). ``pytorch_model.bin`` alone (save_16bit_model, zero_to_fp32) needs both, and
+    gets one line saying so; a step-3 folder is converted in place. From file names (no torch)."""
+    folder = Path(path)
+    if model_folders(folder) != [folder]:
+        return False
+    bin_files(folder)  # a broken index is refused first
+    own = (folder / CONFIG_NAME).is_file()
+    if not own and (config is None or output is None):
+        name = BIN_INDEX_NAME if (folder / BIN_INDEX_NAME).is_file() else BIN_NAME
+        raise DsfixError(f"no {CONFIG_NAME} beside {name}, as save_16bit_model writes it: add --config MODEL_DIR "
+                         "--output OUT", path=str(path))
+    if output is None and config is not None:
+        raise DsfixError("--config goes with --output OUT; without it this .bin folder is converted in place, with "
+                         f"its own {CONFIG_NAME}", path=str(path))
+    if output is not None and remove_bin:
+        raise DsfixError("--remove-bin is for a .bin folder converted in place; into --output it is left as it is",
+                         path=str(path))
+    return output is not None
+
+
+def convert_bin(path, config, *, output=None, tag: Optional[str] = None, dtype: str = "auto", strategy: str = "clone",
+                load: bool = True, lora_scaling: Optional[float] = None, keep_lora: bool = False, base=None,
+                merge: bool = False, console: Any = None, max_shard_size: int = MAX_SHARD_SIZE,
+                progress_min_bytes: int = PROGRESS_MIN_BYTES) -> CheckpointResult:
+    """A ``.bin`` folder into ``output``, with the config, generation config and tokenizer of ``--config`` or its
+    own folder: the checkpoint's pipeline (:func:`_into_output`), read by :class:`BinFolder`."""
+    from patcher.checkpoint.check.model import folder_kind, model_of
+    from patcher.checkpoint.quiet import quiet
+
+    _no_checkpoint_options(path, tag, lora_scaling, keep_lora, base, merge)
+    folder = Path(path)
+    kind = BIN_FOLDER if (folder / CONFIG_NAME).is_file() else BIN_ALONE
+    output = _check_output(path, output, None)
+    config, own = (given_config(config), False) if config is not None else (folder, True)
+    with quiet():
+        reader = BinFolder(folder)
+        model = model_of(config, folder_kind(list(reader.tensors) + list(reader.aliases)))
+        if model.cfg is None:
+            raise DsfixError(f"{'' if own else '--config: '}{model.config_row.detail}", path=str(config))
+        described = CheckpointResult(path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False,
+                                     kind=kind, strategy=strategy, checkpoint=str(path), config=str(config),
+                                     config_own=own, sources=tuple(reader.sources))
         return _into_output(reader, model, output, config, dtype, described, load=load, console=console,
                             max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
 
@@ -285,7 +384,7 @@ def _already(folder: Path) -> Optional[str]:
         raise DsfixError(f"no {BIN_NAME} (also not in actor/, critic/, actor_ema/), no latest, no checkpoint-N/{found}",
                          path=str(folder))
     if st_name is not None:
-        return f"{st_name} is already there beside {examples(source)} (remove {st_name} to convert again)"
+        return f"{st_name} is already there beside {examples(source)} (remove it to convert again)"
     if not (folder / CONFIG_NAME).is_file():
         raise DsfixError(f"no {CONFIG_NAME}: convert needs the model's config to check the weights", path=str(folder))
     return None

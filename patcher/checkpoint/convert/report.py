@@ -1,5 +1,6 @@
 """What ``dsfix convert`` reports, and how it is shown: one result for ``.bin`` folders converted in place, one for
-a checkpoint converted into ``--output``; each renders itself (checks table, one line) for the command line."""
+weights converted into ``--output`` (a checkpoint, or a ``.bin`` folder), one for a folder that already is a
+Hugging Face model; each renders itself (short lines, the checks table) for the command line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, Optional
 
 from patcher.checkpoint.check.headers import render
 from patcher.checkpoint.check.model import KIND_TEXT
-from patcher.checkpoint.names import examples
+from patcher.checkpoint.names import CONFIG_NAME, examples
 from patcher.checkpoint.readers.find import PRODUCERS
 from patcher.checkpoint.steps.lora import FILE as LORA_FILE
 from patcher.errors import OK, PENDING
@@ -67,10 +68,13 @@ class FolderResult(Checks):
             how += f"; restored {examples(self.restored)}"
         if self.dropped:
             how += f"; dropped tied alias {examples(self.dropped)}"
-        tail = (f"removed {examples(self.removed)}" if self.removed
-                else f"{examples(self.source)} kept (--remove-bin removes it)")
-        return (f"converted {self.path}: {examples(self.source)} -> {examples(self.written)}, "
-                f"{self.tensors} tensors ({how}); {tail}")
+        return f"converted {self.path}: {self.tensors} tensors ({how})"
+
+    def files(self) -> str:
+        """A converted folder's files: read, written, and the .bin kept or removed (the line after the summary)."""
+        tail = (f"removed {examples(self.removed, 1)}" if self.removed
+                else f"{examples(self.source, 1)} kept (--remove-bin removes it)")
+        return f"{examples(self.source, 1)} -> {examples(self.written, 1)}; {tail}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,9 @@ class ConvertReport(Result):
 
     @property
     def message(self) -> str:
-        return "; ".join(f.summary() for f in self.folders)
+        if len(self.folders) == 1:
+            return self.folders[0].summary()
+        return f"{self.path}: " + ", ".join(f"{Path(f.path).name} {f.status.value}" for f in self.folders)
 
     def body(self) -> dict:
         return {"path": self.path, "ok": self.ok, "strategy": self.strategy,
@@ -109,16 +115,28 @@ class ConvertReport(Result):
         for result in self.folders:
             if result.checks and (not result.ok or result.status is ConvertStatus.CONVERTED):
                 out.print(render(result.checks, title=f"dsfix convert {result.path}"))
-            kind = f" [{KIND_TEXT[result.kind]}]" if result.kind else ""
-            out.print(result.summary() + kind, markup=False)
+            out.print(result.summary(), markup=False)
+            if result.status is ConvertStatus.CONVERTED:
+                out.print(result.files(), markup=False)
+            if result.kind:
+                out.print(f"{Path(result.path).name}: {KIND_TEXT[result.kind]}", markup=False)
 
 
-# --------------------------------------------------------------------------- a checkpoint, into --output
+# ------------------------------------------------------------------------- a checkpoint or a .bin folder, into --output
+
+BIN_FOLDER = "bin-folder"  # a .bin folder with its own config.json (DeepSpeed-Chat's save_hf_format), into --output
+BIN_ALONE = "bin-without-config"  # pytorch_model.bin alone (save_16bit_model, zero_to_fp32): --config names the model
+FORMS = {
+    BIN_FOLDER: "a .bin output folder (pytorch_model.bin beside config.json, as DeepSpeed-Chat's save_hf_format "
+                "writes it)",
+    BIN_ALONE: "pytorch_model.bin alone, no config.json (as DeepSpeed's save_16bit_model and zero_to_fp32 write it)",
+}
 
 
 @dataclass(frozen=True)
 class CheckpointResult(Result, Checks):
-    """``dsfix convert``'s result for an engine or universal checkpoint, written into ``--output``."""
+    """``dsfix convert``'s result for an engine or universal checkpoint, a PEFT run's adapter (merged or not), or a
+    ``.bin`` folder (``kind``), written into ``--output``."""
 
     path: str  # the checkpoint folder given
     output: str
@@ -135,13 +153,15 @@ class CheckpointResult(Result, Checks):
     written: tuple = ()
     bytes_written: int = 0
     note: str = ""
-    kind: str = "deepspeed-engine-checkpoint"  # or deepspeed-universal-checkpoint, peft-adapter, peft-merged
+    kind: str = "deepspeed-engine-checkpoint"  # or deepspeed-universal-checkpoint, peft-adapter, peft-merged,
+    # BIN_FOLDER, BIN_ALONE
     checkpoint: str = ""  # the checkpoint folder read: ``path`` itself, or the checkpoint-N chosen in a Trainer run
     chosen: str = ""  # how that checkpoint-N was chosen ("" when ``path`` is the checkpoint)
     producer: str = ""  # "trainer", "accelerate" or "" (engine.save_checkpoint), from the files beside it
     config: str = ""  # the folder config.json (generation config, tokenizer) came from
     config_own: bool = False  # that folder is the checkpoint's own (the Trainer's), not --config
     lora: Optional[dict] = None  # DeepSpeed-Chat LoRA layers fused: layers, ranks, lora_scaling, dtype, kept
+    sources: tuple = ()  # a .bin folder's files read (pytorch_model.bin, or the shards)
     verb = "convert"
     warnings = ()
 
@@ -149,34 +169,56 @@ class CheckpointResult(Result, Checks):
     def message(self) -> str:
         if not self.ok:
             return f"not converted {self.path}: {self.note or 'a check failed'}; nothing written"
-        fused = ""
-        if self.lora:
-            given = "as given" if self.lora["scaling_given"] else "step 1's default; --lora-scaling to change"
-            fused = (f", LoRA fused into {self.lora['layers']} layers with lora_scaling {self.lora['lora_scaling']:g} "
-                     f"({given}; scaling = lora_scaling / r, r = {', '.join(map(str, self.lora['ranks']))})"
-                     + (f", factors kept in {LORA_FILE}" if self.lora["kept"] else ""))
-        tag = f"{Path(self.checkpoint).name}/{self.tag}" if self.chosen else self.tag
-        return (f"converted {self.path} ({tag}) -> {self.output}: {self.tensors} tensors, {self.dtype}, "
-                f"{self.strategy}{fused}; {examples(self.written)}")
+        fused = (f", LoRA fused into {self.lora['layers']} layers with lora_scaling {self.lora['lora_scaling']:g}"
+                 if self.lora else "")
+        return (f"converted {self.read} -> {self.output}: {self.tensors} tensors, {self.dtype}, "
+                f"{self.strategy}{fused}")
+
+    @property
+    def read(self) -> str:
+        """What was read, in a few words (the lines before name the folders): ``checkpoint-N/global_stepN``,
+        ``FOLDER/global_stepN``, ``FOLDER/pytorch_model.bin``."""
+        folder = Path(self.checkpoint or self.path).name
+        what = examples(self.sources, 1) if self.kind in FORMS else self.tag
+        return what if folder == what else f"{folder}/{what}"
+
+    def lora_line(self) -> str:
+        """What was fused, and with which scaling ("" when no LoRA layers were)."""
+        if not self.lora:
+            return ""
+        given = "as given" if self.lora["scaling_given"] else "step 1's default; --lora-scaling to change"
+        return (f"LoRA fused into {self.lora['layers']} layers with lora_scaling {self.lora['lora_scaling']:g} "
+                f"({given}; scaling = lora_scaling / r, r = {', '.join(map(str, self.lora['ranks']))})"
+                + (f", factors kept in {LORA_FILE}" if self.lora["kept"] else ""))
 
     def describe(self) -> str:
+        """What was read, in short lines: what was chosen in a run folder, what the checkpoint (or .bin folder) is,
+        where the config came from and where the folder is written."""
+        lines = [f"{self.path}: a Trainer run folder", f"converting {self.chosen}"] if self.chosen else []
+        label = Path(self.checkpoint).name if self.chosen else self.path
         stage = f"ZeRO-{self.stage}" if self.stage is not None else "ZeRO"
-        run = f"a Trainer run folder; converting {self.chosen}: " if self.chosen else ""
         by = PRODUCERS.get(self.producer, "")
-        by = f", saved by {by}" if by else ""
-        config = ("; config from the checkpoint's own folder" if self.config_own
-                  else f"; config from --config {self.config}" if self.config else "")
-        if self.kind == "peft-merged":
-            return f"{self.path}: {run}a PEFT LoRA adapter merged into its base {self.config}, written to {self.output}"
-        if self.kind == "peft-adapter":
-            return (f"{self.path}: {run}a PEFT LoRA run ({self.tag}, {stage}, {self.world} rank(s){by}): its adapter "
-                    f"from the engine files, written to {self.output}")
-        if self.kind == "deepspeed-universal-checkpoint":
-            return (f"{self.path}: {run}a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a "
-                    f"{stage} run on {self.world} rank(s); one fp32 file a parameter){config}, "
-                    f"written to {self.output}")
-        return (f"{self.path}: {run}a DeepSpeed engine checkpoint ({self.tag}, {stage}, {self.world} rank(s), "
-                f"{self.precision} optimizer states{by}){config}, written to {self.output}")
+        saved = f", saved by {by}" if by else ""
+        if self.kind in FORMS:
+            lines.append(f"{label}: {FORMS[self.kind]}")
+        elif self.kind == "peft-merged":
+            lines.append(f"{label}: a PEFT LoRA adapter merged into its base {self.config}")
+        elif self.kind == "peft-adapter":
+            lines.append(f"{label}: a PEFT LoRA run ({self.tag}, {stage}, {self.world} rank(s){saved}): its adapter "
+                         "from the engine files")
+        elif self.kind == "deepspeed-universal-checkpoint":
+            lines.append(f"{label}: a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a "
+                         f"{stage} run on {self.world} rank(s); one fp32 file a parameter)")
+        else:
+            lines.append(f"{label}: a DeepSpeed engine checkpoint ({self.tag}, {stage}, {self.world} rank(s), "
+                         f"{self.precision} optimizer states{saved})")
+        if self.kind.startswith("peft-"):  # the adapter's own files, or the base the line above names
+            lines.append(f"written to {self.output}")
+        else:
+            where = ("its own folder" if self.kind in FORMS else "the checkpoint's own folder") if self.config_own \
+                else f"--config {self.config}"
+            lines.append(f"config from {where}; written to {self.output}")
+        return "\n".join(lines)
 
     def body(self) -> dict:
         return {"path": self.path, "kind": self.kind, "output": self.output, "status": self.status.value,
@@ -188,6 +230,52 @@ class CheckpointResult(Result, Checks):
                 "note": self.note, "checks": [c._asdict() for c in self.checks]}
 
     def render(self, out: Any, opts: dict) -> None:
-        out.print(self.describe(), markup=False)
+        for line in self.describe().splitlines():
+            out.print(line, markup=False)
         out.print(render(self.checks, title=f"dsfix convert {self.path}"))
         out.print(self.message, markup=False)
+        if self.ok and self.lora:
+            out.print(self.lora_line(), markup=False)
+
+
+# --------------------------------------------------------------------------- a Hugging Face model folder already
+
+
+@dataclass(frozen=True)
+class ModelFolderResult(Result):
+    """``dsfix convert`` of a folder that already is a Hugging Face model (config.json beside safetensors weights:
+    ``save_pretrained``, the Trainer's ``save_model()``, a ``save_only_model`` ``checkpoint-N``), given itself or
+    as the ``checkpoint-N`` a Trainer run folder's choice lands on: nothing to convert, whatever the options;
+    ``dsfix verify`` checks it."""
+
+    path: str  # the folder given
+    folder: str  # the model folder: ``path`` itself, or the checkpoint-N chosen in a Trainer run folder
+    weights: tuple  # its weight files' names (model.safetensors, or the index)
+    chosen: str = ""  # how that checkpoint-N was chosen ("" when ``path`` is the model folder)
+    verb = "convert"
+    warnings = ()
+    ok = True
+
+    @property
+    def status(self) -> ConvertStatus:
+        return ConvertStatus.NOTHING
+
+    @property
+    def next_step(self) -> str:
+        return f"dsfix verify {self.folder}"
+
+    @property
+    def message(self) -> str:
+        return (f"nothing to convert in {self.folder}: a Hugging Face model folder already "
+                f"({examples(self.weights)}, {CONFIG_NAME})")
+
+    def body(self) -> dict:
+        return {"path": self.path, "kind": "hugging-face-model-folder", "ok": self.ok, "folder": self.folder,
+                "chosen": self.chosen or None, "weights": list(self.weights), "next": self.next_step}
+
+    def render(self, out: Any, opts: dict) -> None:
+        if self.chosen:
+            out.print(f"{self.path}: a Trainer run folder", markup=False)
+            out.print(f"chose {self.chosen}", markup=False)
+        out.print(self.message, markup=False)
+        out.print(f"check it with: {self.next_step}", markup=False)

@@ -12,6 +12,12 @@ Where checkpoints come from:
 * DeepSpeed-Chat's unpatched saves write ``pytorch_model.bin`` beside ``config.json``, and step 3 one such
   folder each in ``actor/``, ``critic/`` and ``actor_ema/``.
 
+Where nothing needs converting:
+
+* a Hugging Face model folder (``config.json`` beside ``model.safetensors`` or its index): what
+  ``save_pretrained``, the Trainer's ``save_model()`` and a ``TrainingArguments(save_only_model=True)``
+  ``checkpoint-N`` hold (:func:`is_model_folder`, :func:`choose_model_folder`).
+
 :func:`choose_checkpoint` picks a run folder's last ``checkpoint-N`` as transformers' ``get_last_checkpoint``
 does, :func:`step_folder` the step ``latest`` names, :func:`config_folder` the checkpoint's own
 ``config.json`` (or ``--config``), :func:`producer_of` says who wrote it, :func:`model_folders` expands a
@@ -24,7 +30,15 @@ import re
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from patcher.checkpoint.names import BIN_INDEX_NAME, CONFIG_NAME, INDEX_NAME, STEP3_SUBFOLDERS, examples
+from patcher.checkpoint.names import (
+    BIN_INDEX_NAME,
+    BIN_NAME,
+    CONFIG_NAME,
+    INDEX_NAME,
+    SINGLE_NAME,
+    STEP3_SUBFOLDERS,
+    examples,
+)
 from patcher.checkpoint.readers.peft import ADAPTER_CONFIG
 from patcher.errors import DsfixError
 
@@ -114,13 +128,30 @@ def choose_checkpoint(path, tag: Optional[str] = None) -> Optional[Chosen]:
     when ``path`` is neither. A run folder that is also a checkpoint itself (the Trainer's ``save_model()`` at
     ZeRO-3 without gathering writes ``latest`` into its output folder) is that checkpoint, its final save,
     unless ``--tag checkpoint-N`` names one of its checkpoints. Raises DsfixError when the chosen
-    ``checkpoint-N`` holds no DeepSpeed checkpoint."""
+    ``checkpoint-N`` holds no DeepSpeed checkpoint (:func:`choose_model_folder` answers first where it is a
+    Hugging Face model folder)."""
     root = Path(path)
     runs = run_checkpoints(root)
-    if is_engine_checkpoint(root) and not (tag is not None and runs and CHECKPOINT_RE.match(tag)):
+    if is_engine_checkpoint(root) and not _names_a_checkpoint(tag, runs):
         return Chosen(root, tag, "")
     if not runs:
         return None
+    chosen = _pick(root, runs, tag)
+    if not is_engine_checkpoint(chosen.path):
+        bins = sorted(p.name for p in chosen.path.glob("pytorch_model*.bin"))
+        hint = f"; a .bin folder is converted in place: dsfix convert {chosen.path}" if bins else ""
+        raise DsfixError(f"{chosen.path.name} holds no DeepSpeed checkpoint (no latest): found "
+                         f"{contents(chosen.path)}{hint}", path=str(root))
+    return chosen
+
+
+def _names_a_checkpoint(tag: Optional[str], runs: list) -> bool:
+    """Whether ``--tag`` names one of a run folder's ``checkpoint-N`` (rather than the folder's own step)."""
+    return tag is not None and bool(runs) and CHECKPOINT_RE.match(tag) is not None
+
+
+def _pick(root: Path, runs: list, tag: Optional[str]) -> Chosen:
+    """The ``checkpoint-N`` of the run folder ``root`` that ``--tag`` names, else its last one (the largest N)."""
     names = [p.name for p in runs]
     listed = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]} ({len(names)} in all)"
     if tag is not None:
@@ -129,17 +160,39 @@ def choose_checkpoint(path, tag: Optional[str] = None) -> Optional[Chosen]:
                              "checkpoint-N", path=str(root))
         if tag not in names:
             raise DsfixError(f"--tag {tag}: no such checkpoint here; the run saved {listed}", path=str(root))
-        chosen, note = root / tag, f"{tag} (as --tag names it, of {listed})"
-    else:
-        chosen = runs[-1]
-        note = (f"{chosen.name} (the last of {listed}, as transformers' get_last_checkpoint picks it"
-                + ("; --tag checkpoint-N picks another)" if len(runs) > 1 else ")"))
-    if not is_engine_checkpoint(chosen):
-        bins = sorted(p.name for p in chosen.glob("pytorch_model*.bin"))
-        hint = f"; a .bin folder is converted in place: dsfix convert {chosen}" if bins else ""
-        raise DsfixError(f"{chosen.name} holds no DeepSpeed checkpoint (no latest): found {contents(chosen)}{hint}",
-                         path=str(root))
-    return Chosen(chosen, None, note)
+        return Chosen(root / tag, None, f"{tag} (as --tag names it, of {listed})")
+    chosen = runs[-1]
+    return Chosen(chosen, None, f"{chosen.name} (the last of {listed}, as transformers' get_last_checkpoint picks it"
+                  + ("; --tag checkpoint-N picks another)" if len(runs) > 1 else ")"))
+
+
+# --------------------------------------------------------------------------- Hugging Face model folders
+
+
+def is_model_folder(path) -> bool:
+    """A Hugging Face model folder: ``config.json`` beside safetensors weights (``model.safetensors`` or its
+    index), with no ``.bin`` weights and no DeepSpeed checkpoint beside them. ``save_pretrained``, the Trainer's
+    ``save_model()`` and a ``TrainingArguments(save_only_model=True)`` ``checkpoint-N`` write one."""
+    folder = Path(path)
+    return (folder.is_dir() and (folder / CONFIG_NAME).is_file()
+            and any((folder / n).is_file() for n in (SINGLE_NAME, INDEX_NAME))
+            and not any((folder / n).is_file() for n in (BIN_NAME, BIN_INDEX_NAME))
+            and not is_engine_checkpoint(folder))
+
+
+def choose_model_folder(path, tag: Optional[str] = None) -> Optional[Chosen]:
+    """The Hugging Face model folder that stands where a checkpoint is looked for, nothing to convert in it:
+    ``path`` itself (unless ``--tag checkpoint-N`` names one of its run's checkpoints), or in a Trainer run
+    folder the ``checkpoint-N`` :func:`choose_checkpoint` would choose (a run saved with ``save_only_model``, or
+    without DeepSpeed). None otherwise. Raises DsfixError where ``--tag`` names no checkpoint of the run."""
+    root = Path(path)
+    runs = run_checkpoints(root)
+    if is_model_folder(root) and not _names_a_checkpoint(tag, runs):
+        return Chosen(root, tag, "")
+    if not runs or _holds_weights(root) or (is_engine_checkpoint(root) and not _names_a_checkpoint(tag, runs)):
+        return None
+    chosen = _pick(root, runs, tag)
+    return chosen if is_model_folder(chosen.path) else None
 
 
 def config_folder(path, step: Path) -> Optional[Path]:
@@ -158,10 +211,7 @@ def config_for(chosen: Chosen, config) -> tuple[Path, bool]:
     checkpoint's own): ``--config`` when given, else the checkpoint's folder when it holds config.json (the
     Trainer's checkpoint-N/ does); else one line saying that --config is needed, and why."""
     if config is not None:
-        config = Path(config)
-        if not (config / CONFIG_NAME).is_file():
-            raise DsfixError(f"--config: no {CONFIG_NAME} in this folder", path=str(config))
-        return config, False
+        return given_config(config), False
     step, _, _ = step_folder(chosen.path, chosen.tag)
     own = config_folder(chosen.path, step)
     if own is not None:
@@ -171,6 +221,14 @@ def config_for(chosen: Chosen, config) -> tuple[Path, bool]:
         producer_of(root), "engine.save_checkpoint writes none")
     raise DsfixError(f"no {CONFIG_NAME} here ({who}): convert needs --config MODEL_DIR, the model's folder",
                      path=str(chosen.path))
+
+
+def given_config(config) -> Path:
+    """``--config``: a folder holding config.json (the caller has checked that it is a folder)."""
+    config = Path(config)
+    if not (config / CONFIG_NAME).is_file():
+        raise DsfixError(f"--config: no {CONFIG_NAME} in this folder", path=str(config))
+    return config
 
 
 def adapter_folder(path, step: Path) -> Optional[Path]:

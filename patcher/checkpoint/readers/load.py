@@ -103,14 +103,16 @@ def _load(path: Path, mapped: bool, deepspeed: bool) -> Any:
     except pickle.UnpicklingError as e:  # a global weights_only does not admit: the one refusal
         found = re.search(r"GLOBAL ([\w.]+)", str(e)) or re.search(r"function (\S+)", str(e))
         what = f" ({found.group(1)})" if found else ""
-        raise DsfixError(f"refused: this pickle needs code to load{what}, which a weights-only load does not run; "
-                         "nothing run, nothing written", path=str(path)) from None
+        raise DsfixError(f"refused: this pickle needs code to load{what}; nothing run, nothing written",
+                         path=str(path)) from None
     except (DsfixError, MemoryError):
         raise
     except Exception as e:
         msg = " ".join(str(e).split())
-        raise DsfixError(f"not a readable torch.save file (truncated?): {type(e).__name__}: {msg[:160]}; "
-                         "nothing written", path=str(path)) from e
+        said = msg.split(". ")[0]  # torch's first sentence (what went wrong, not its advice), or its first clause
+        said = said if len(said) <= 60 else said.split(": ")[0][:60]
+        raise DsfixError(f"not a readable torch.save file (truncated?): {type(e).__name__}: {said}; nothing written",
+                         path=str(path)) from e
 
 
 @contextmanager

@@ -63,6 +63,11 @@ class Plan(NamedTuple):
         return all(c.ok for c in self.checks)
 
     @property
+    def floating_dtype(self) -> Any:
+        """The dtype the floating tensors are written in (None: there are none)."""
+        return next((e.dtype for e in self.entries if e.dtype.is_floating_point), None)
+
+    @property
     def nbytes(self) -> int:
         import torch
 

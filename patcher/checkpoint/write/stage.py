@@ -15,7 +15,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 from patcher.checkpoint.check.adapter import adapter_checks
 from patcher.checkpoint.check.headers import Check
@@ -86,7 +86,7 @@ def _write_and_check(job: Job, staging: Path, advance: Callable[[int], None]) ->
             writer.open()
             job.reader.stream(writer.put, staging)
             names = writer.finish()
-            kept = job.reader.extra_files(staging, _floating_dtype(job.plan))
+            kept = job.reader.extra_files(staging, job.plan.floating_dtype)
             _copy_config(job, staging)
             synced = disk.submit(fsync_folder, staging)
             checks = _checks(job, staging, names, advance) + kept
@@ -98,10 +98,6 @@ def _write_and_check(job: Job, staging: Path, advance: Callable[[int], None]) ->
         writer.close()
     moved = names if job.in_place else sorted(p.name for p in staging.iterdir())
     return Staged(job, staging, moved, checks, sum((staging / n).stat().st_size for n in names))
-
-
-def _floating_dtype(plan: Plan) -> Any:
-    return next((e.dtype for e in plan.entries if e.dtype.is_floating_point), None)
 
 
 def _copy_config(job: Job, staging: Path) -> None:
@@ -136,7 +132,7 @@ def _checks(job: Job, staging: Path, names: list, advance: Callable[[int], None]
             with SafetensorsFolder(staging) as written:
                 checks.append(critic_load_check(written))
         else:  # in the files' own dtype, so a bf16 model is not loaded at twice its size
-            checks.append(load_check(staging, dtype=_floating_dtype(plan))[0])
+            checks.append(load_check(staging, dtype=plan.floating_dtype)[0])
     if job.compare_back:
         checks.append(_equal_check(job, staging, advance))
     return checks
