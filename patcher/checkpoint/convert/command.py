@@ -246,7 +246,7 @@ def convert_adapter_folder(path, *, output=None, tag: Optional[str] = None, dtyp
         note = f"it is a PEFT adapter folder already ({ADAPTER_WEIGHTS}); check it with dsfix verify {path}"
         return ConvertReport(str(path), strategy, (FolderResult(str(path), ConvertStatus.NOTHING, True, note=note,
                                                                 strategy=strategy),))
-    output = _check_output(path, output, None)
+    output = _check_output(path, output, None, "--merge writes the merged model")
     adapter = read_adapter_config(Path(path)) or {}
     with quiet():
         held = SafetensorsFolder(Path(path), single=ADAPTER_WEIGHTS)
@@ -309,15 +309,14 @@ def convert_bin(path, config, *, output=None, tag: Optional[str] = None, dtype: 
                             max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
 
 
-def _check_output(path, output, lora_scaling) -> Path:
+def _check_output(path, output, lora_scaling, what: str = "a DeepSpeed checkpoint is converted") -> Path:
     import math
 
     if lora_scaling is not None and not (isinstance(lora_scaling, (int, float)) and math.isfinite(lora_scaling)
                                          and lora_scaling > 0):
         raise DsfixError(f"--lora-scaling must be a positive number, not {lora_scaling}")
     if output is None:
-        raise DsfixError("a DeepSpeed checkpoint is converted into a new folder: convert needs --output OUT_DIR "
-                         "(new or empty)", path=str(path))
+        raise DsfixError(f"{what} into a new folder: convert needs --output OUT_DIR (new or empty)", path=str(path))
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DsfixError("--output exists and is not an empty folder; nothing written", path=str(output))
