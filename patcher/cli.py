@@ -5,8 +5,6 @@ every result and every error takes (one line, an exit code, Ctrl-C). Exit codes:
 check failed, 2 error, 3 locked, 130 interrupted (docs/cli.md).
 """
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 

@@ -32,6 +32,10 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exc  # type: ignore[no-redef]  # the same module, from click itself
     from click import get_current_context  # type: ignore[no-redef]  # the same function, from click itself
 
+# click 8.2 raises this for a bare `dsfix` (no_args_is_help); click 8.1 (the last for Python 3.9) prints the
+# help and exits 0 by itself
+_NO_ARGS_IS_HELP: Any = getattr(click_exc, "NoArgsIsHelpError", ())
+
 DEBUG = "dsfix.debug"  # in the click context's meta: --debug was given, anywhere on the line
 
 
@@ -142,7 +146,7 @@ def run(app: Any, argv: Optional[list] = None) -> None:
     _Run.reported, _Run.interrupted_at = False, None
     try:
         rc = app(args=args, standalone_mode=False)
-    except click_exc.NoArgsIsHelpError as e:
+    except _NO_ARGS_IS_HELP as e:
         err.print(e.format_message())
         rc = 0
     except (click_exc.ClickException, typer.Abort, KeyboardInterrupt, Exception) as e:

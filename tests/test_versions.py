@@ -75,3 +75,21 @@ def test_the_save_module_states_the_tested_floor():
     floor = (f"Python 3.9+, torch {torch}+, transformers {transformers}+, safetensors {pins['safetensors']}+, "
              f"DeepSpeed {pins['deepspeed']}+")
     assert floor in doc
+
+
+def test_every_verb_reads_its_annotated_options():
+    """typer reads `Annotated[..., typer.Argument(...)]` from each verb's signature; under postponed annotations
+    (`from __future__ import annotations`) typer on Python 3.9 sees only strings and turns every argument into an
+    option named after it, so that `dsfix apply PATH` fails with "unexpected extra argument". Run in every CI
+    environment, the floor's Python 3.9 included."""
+    import typer.main
+
+    from patcher.cli import app
+
+    group = typer.main.get_command(app)
+    positional = {name: [p.name for p in cmd.params if p.param_type_name == "argument"]
+                  for name, cmd in group.commands.items()}
+    assert positional == {"check": ["repo"], "apply": ["repo"], "revert": ["repo"], "verify": ["folder"],
+                          "convert": ["folder"], "smoke": ["repo"], "demo": []}
+    options = {p.opts[0] for p in group.commands["convert"].params if p.param_type_name == "option"}
+    assert {"--output", "--base", "--merge", "--json"} <= options
