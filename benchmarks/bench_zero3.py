@@ -38,6 +38,7 @@ METHODS = (("one", "dsfix one at a time"), ("bucketed", "dsfix bucketed (default
            ("upstream", "upstream torch.save (rank 0)"), ("deepspeed", "DeepSpeed save_16bit_model"),
            ("plain", "dsfix plain save, 1 rank, no ZeRO"), ("gather", "the gathers alone, bucketed, no write"))
 LABELS = dict(METHODS)
+RANK_END = common.load_file_module("fixtures", "step1_trainer", "rank_end.py")
 
 
 # ------------------------------------------------------------------------------------------ one rank
@@ -145,6 +146,7 @@ def worker(args):
         with open(args.result, "w") as handle:
             json.dump({"world": world, "results": results, "build_s": build_s, "largest_bytes": largest,
                        "model_bytes": model_bytes, "bucket_bytes": args.bucket_mb * common.MIB}, handle)
+    RANK_END.end_rank()  # the process group torn down before the interpreter's exit
 
 
 # ------------------------------------------------------------------------------------------ the run

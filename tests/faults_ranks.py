@@ -26,6 +26,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "fixtures", "step1_trainer"))
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
+from rank_end import end_rank  # noqa: E402
 from tiny_qwen3 import tiny_qwen3_model, tiny_qwen3_tokenizer  # noqa: E402
 
 from faultkit import Faults  # noqa: E402
@@ -143,6 +144,7 @@ def main():
         print("[faults] " + json.dumps(summary) + "\n", end="", flush=True)
     else:
         print("[faults] rank 1 " + json.dumps(summary) + "\n", end="", flush=True)
+    end_rank()
 
 
 def agree(cases, mine, theirs):

@@ -303,6 +303,9 @@ def run_rank(spec: dict, on_phase=None) -> dict:
             import deepspeed
 
             deepspeed.comm.barrier()
+            # torn down here, not left to the interpreter's exit: there a gloo worker thread still releasing the
+            # last collective's tensors can abort the rank ("terminate called without an active exception")
+            deepspeed.comm.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported, and the process exits non-zero
         result["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
         result["traceback"] = traceback.format_exc()
