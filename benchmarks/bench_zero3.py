@@ -153,19 +153,26 @@ def worker(args):
 
 
 def launch(world, args, work):
-    """deepspeed --num_gpus WORLD this file --worker ...; returns the result, or None (output on stderr)."""
+    """deepspeed --num_gpus WORLD this file --worker ...; returns the result, or None (each rank's last lines on
+    stderr). A launch whose every rank wrote its result and finished (torn down) counts even if a process then
+    died in its interpreter's exit; that is said on stderr."""
     result = os.path.join(work, "result-%d.json" % world)
+    logs = os.path.join(work, "logs-%d" % world)  # one log per rank
     cmd = [deepspeed_launcher() or "deepspeed", "--num_gpus", str(world), "--master_port", str(free_port()),
-           os.path.abspath(__file__), "--worker",
+           "--enable_each_rank_log", logs, os.path.abspath(__file__), "--worker",
            "--config", args.config, "--rounds", str(args.rounds), "--methods", args.methods,
            "--bucket-mb", str(args.bucket_mb),
            "--work", work, "--result", result]
     env = dict(rank_env(nproc=world), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=common.REPO_ROOT)
     code, output = run_group(cmd, env, args.timeout)  # killed whole past the limit: the launcher and its ranks
-    if code != 0 or not os.path.exists(result):
-        how = "killed after %ds" % args.timeout if code is None else "exit %s" % code
-        print("[bench] %d ranks failed (%s):\n%s" % (world, how, output[-4000:]), file=sys.stderr)
+    ranks = RANK_END.rank_logs(logs)
+    finished = len(RANK_END.finished(ranks)) == world
+    if code is None or not finished or not os.path.exists(result):
+        print("[bench] %d ranks failed:\n%s" % (world, RANK_END.tails(code, output, ranks, world)), file=sys.stderr)
         return None
+    if code != 0:
+        print("[bench] %d ranks: every rank finished, then the launcher exited %s (a process died in its exit):\n%s"
+              % (world, code, RANK_END.tails(code, output, ranks, world, lines=8)), file=sys.stderr)
     with open(result) as handle:
         return json.load(handle)
 
