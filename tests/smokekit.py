@@ -171,9 +171,9 @@ class Launch:
     output, and each rank's log ({rank: text}, the launcher's --enable_each_rank_log)."""
 
     code: Optional[int]
-    launcher: str
-    logs: dict
-    nprocs: int
+    launcher: str = dataclasses.field(repr=False)
+    logs: dict = dataclasses.field(repr=False)
+    nprocs: int = 2
 
     @property
     def output(self) -> str:
