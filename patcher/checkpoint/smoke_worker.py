@@ -22,7 +22,7 @@ import traceback
 from argparse import Namespace
 from pathlib import Path
 
-from patcher.checkpoint.ranks import skip_shm_allreduce
+from patcher.checkpoint.ranks import end_ranks, skip_shm_allreduce
 from patcher.patch.names import SAVE_HF, SAVE_Z3, is_dsfix_name
 
 REF_FILE = "reference.safetensors"
@@ -300,12 +300,7 @@ def run_rank(spec: dict, on_phase=None) -> dict:
         with phase("save"):
             _save_phase(spec, funcs, runner, tokenizer, rank, local_rank, captured, result)
         if engine is not None:
-            import deepspeed
-
-            deepspeed.comm.barrier()
-            # torn down here, not left to the interpreter's exit: there a gloo worker thread still releasing the
-            # last collective's tensors can abort the rank ("terminate called without an active exception")
-            deepspeed.comm.destroy_process_group()
+            end_ranks()  # a barrier, then the process groups torn down, not left to the interpreter's exit
     except BaseException as e:  # noqa: BLE001 - reported, and the process exits non-zero
         result["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
         result["traceback"] = traceback.format_exc()
