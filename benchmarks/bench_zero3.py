@@ -38,6 +38,7 @@ METHODS = (("one", "dsfix one at a time"), ("bucketed", "dsfix bucketed (default
            ("upstream", "upstream torch.save (rank 0)"), ("deepspeed", "DeepSpeed save_16bit_model"),
            ("plain", "dsfix plain save, 1 rank, no ZeRO"), ("gather", "the gathers alone, bucketed, no write"))
 LABELS = dict(METHODS)
+RANK_END = common.load_file_module("fixtures", "step1_trainer", "rank_end.py")
 
 
 # ------------------------------------------------------------------------------------------ one rank
@@ -146,25 +147,33 @@ def worker(args):
         with open(args.result, "w") as handle:
             json.dump({"world": world, "results": results, "build_s": build_s, "largest_bytes": largest,
                        "model_bytes": model_bytes, "bucket_bytes": args.bucket_mb * common.MIB}, handle)
+    RANK_END.end_rank()  # the process group torn down before the interpreter's exit
 
 
 # ------------------------------------------------------------------------------------------ the run
 
 
 def launch(world, args, work):
-    """deepspeed --num_gpus WORLD this file --worker ...; returns the result, or None (output on stderr)."""
+    """deepspeed --num_gpus WORLD this file --worker ...; returns the result, or None (each rank's last lines on
+    stderr). A launch whose every rank wrote its result and finished (torn down) counts even if a process then
+    died in its interpreter's exit; that is said on stderr."""
     result = os.path.join(work, "result-%d.json" % world)
+    logs = os.path.join(work, "logs-%d" % world)  # one log per rank
     cmd = [deepspeed_launcher() or "deepspeed", "--num_gpus", str(world), "--master_port", str(free_port()),
-           os.path.abspath(__file__), "--worker",
+           "--enable_each_rank_log", logs, os.path.abspath(__file__), "--worker",
            "--config", args.config, "--rounds", str(args.rounds), "--methods", args.methods,
            "--bucket-mb", str(args.bucket_mb),
            "--work", work, "--result", result]
     env = dict(rank_env(nproc=world), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=common.REPO_ROOT)
     code, output = run_group(cmd, env, args.timeout)  # killed whole past the limit: the launcher and its ranks
-    if code != 0 or not os.path.exists(result):
-        how = "killed after %ds" % args.timeout if code is None else "exit %s" % code
-        print("[bench] %d ranks failed (%s):\n%s" % (world, how, output[-4000:]), file=sys.stderr)
+    ranks = RANK_END.rank_logs(logs)
+    finished = len(RANK_END.finished(ranks)) == world
+    if code is None or not finished or not os.path.exists(result):
+        print("[bench] %d ranks failed:\n%s" % (world, RANK_END.tails(code, output, ranks, world)), file=sys.stderr)
         return None
+    if code != 0:
+        print("[bench] %d ranks: every rank finished, then the launcher exited %s (a process died in its exit):\n%s"
+              % (world, code, RANK_END.tails(code, output, ranks, world, lines=8)), file=sys.stderr)
     with open(result) as handle:
         return json.load(handle)
 

@@ -45,6 +45,7 @@ NARROW_CONFIG = os.path.join(REPO_ROOT, "fixtures", "models", "qwen3-narrow", "c
 EXAMPLE_CHECKOUT = os.path.join(REPO_ROOT, "fixtures", "checkouts", "package")
 TRAINER = os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "train.py")
 UPSTREAM_WRAPPER = os.path.join(HERE, "device_step1.py")
+RANK_END = os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "rank_end.py")  # how each rank's run ends
 UPSTREAM_COMMIT = "45b4b715"  # DeepSpeedExamples, as docs/steps.md ran it
 SEED = 1234
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -354,6 +355,17 @@ def _launch(check, log, script, script_args, env, cwd):
     return log.run(cmd, env, STAGE_TIMEOUT_S["step1"], cwd=cwd)
 
 
+def rank_finished(output, rank=0):
+    """Whether a rank's output holds its last line (fixtures/step1_trainer/rank_end.py): all its work done and its
+    process group torn down, so that a non-zero exit after it is its interpreter's exit, not the run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_rank_end", RANK_END)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.END_LINE.format(rank=rank) in output.splitlines()
+
+
 def stage_step1(check):
     """Both ZeRO stages, patched and unpatched; returns the ZeRO-3 patched run's folders for the engine stage."""
     log = Log(os.path.join(check.out, "step1.log"))
@@ -389,7 +401,7 @@ def stage_step1(check):
         if upstream and mcode != 0:
             check.row(name, False, "the narrow model folder could not be written (step1.log)", started)
             continue
-        runs = {}
+        runs, late = {}, []
         for variant in ("unpatched", "patched"):
             out = os.path.join(base, "out-z%d-%s" % (stage, variant))
             ref = os.path.join(base, "ref-z%d-%s" % (stage, variant))
@@ -402,7 +414,7 @@ def stage_step1(check):
                 if engine_ckpt:
                     env["DSFIX_STEP1_ENGINE_CKPT"] = engine_ckpt
                 script = os.path.join(chat, "training", "step1_supervised_finetuning", "main.py")
-                rc, _ = _launch(check, log, UPSTREAM_WRAPPER, [
+                rc, output = _launch(check, log, UPSTREAM_WRAPPER, [
                     "--script", script, "--data_path", "local/jsonfile", "--data_split", "10,0,0",
                     "--data_output_path", out + ".cache", "--model_name_or_path", model_dir,
                     "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_seq_len", "64",
@@ -411,13 +423,16 @@ def stage_step1(check):
             else:
                 utils = os.path.join(checkouts[variant], "dschat", "utils", "utils.py")
                 extra = ["--engine_ckpt", engine_ckpt] if engine_ckpt else []
-                rc, _ = _launch(check, log, TRAINER, [
+                rc, output = _launch(check, log, TRAINER, [
                     "--utils", utils, "--output_dir", out, "--reference_dir", ref, "--zero_stage", str(stage),
                     "--dtype", "bf16", "--steps", "1" if check.cpu else "2", "--seed", str(SEED), "--deterministic",
                     "--save", "dsfix" if variant == "patched" else "original", *extra], env, check.work)
             runs[variant] = (rc, out, ref)
+            if rc not in (0, None) and rank_finished(output):  # its work and teardown done: judged by what it wrote
+                late.append("%s run exit %s after the rank finished (step1.log)" % (variant, rc))
+                runs[variant] = (0, out, ref)
         problems = ["%s run exit %s (step1.log)" % (v, rc) for v, (rc, _, _) in runs.items() if rc != 0]
-        figures = []
+        figures = list(late)
         prc, out, ref = runs["patched"]
         if prc == 0:  # what the patched run saved, against the other run's .bin when there is one, and its engine
             pairs = [(out, os.path.join(ref, "reference.pt"))]

@@ -16,6 +16,9 @@ with CHAT on PYTHONPATH. Before ``main.py`` runs (``runpy``, as ``__main__``, wi
   first writes what the device check compares the save with: ``$DSFIX_STEP1_REFERENCE/reference.pt`` (the
   engine's own weights, gathered under ZeRO-3) and, when ``$DSFIX_STEP1_ENGINE_CKPT`` is set, a DeepSpeed
   engine checkpoint there (``engine.save_checkpoint``).
+
+After ``main.py`` returns, the rank ends as dsfix's own rank scripts end (``fixtures/step1_trainer/rank_end.py``):
+its process group torn down, which upstream's ``main.py`` leaves to the interpreter's exit, then its last line.
 """
 import os
 import runpy
@@ -81,6 +84,18 @@ def main():
     lora.convert_lora_to_linear_layer = convert_after_saving_reference
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
+    end_rank()
+
+
+def end_rank():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "step1_trainer",
+                        "rank_end.py")
+    spec = importlib.util.spec_from_file_location("device_rank_end", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.end_rank()
 
 
 if __name__ == "__main__":

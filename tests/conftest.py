@@ -100,7 +100,7 @@ def zero3_patched_run(tmp_path_factory):
     """One real ZeRO-3 run on 2 CPU ranks (gloo) of the step-1-like trainer, with the utils.py of a fixture
     checkout patched by `dsfix apply`: its output (dsfix's save) in out/, the checkout's own functions'
     save (upstream's .bin, the tied lm_head.weight missing) in original/, the reference in ref/.
-    Returns (folder, launcher exit code, output)."""
+    Returns (folder, smokekit.Launch)."""
     pytest.importorskip("deepspeed")
     import shutil
 
@@ -112,9 +112,8 @@ def zero3_patched_run(tmp_path_factory):
     shutil.copytree(REPO / "fixtures" / "checkouts" / "package", checkout)
     assert flow.apply(checkout).exit_code == 0
     variants = json.dumps([{"dir": str(tmp_path / "original"), "original": True}])
-    code, output = run_trainer(tmp_path, 2, 3, "--variants", variants,
-                               utils=checkout / "dschat" / "utils" / "utils.py")
-    return tmp_path, code, output
+    run = run_trainer(tmp_path, 2, 3, "--variants", variants, utils=checkout / "dschat" / "utils" / "utils.py")
+    return tmp_path, run
 
 
 @pytest.fixture(scope="session")

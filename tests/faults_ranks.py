@@ -29,6 +29,7 @@ sys.path.insert(0, REPO)
 from faultkit import Faults  # noqa: E402
 from patcher.checkpoint.smoke.ranks import skip_shm_allreduce  # noqa: E402
 from patcher.templates import dsfix_safetensors as M  # noqa: E402
+from rank_end import end_rank  # noqa: E402
 from savesweep import Sweep, _generic, previous_save  # noqa: E402
 from tiny_qwen3 import tiny_qwen3_model, tiny_qwen3_tokenizer  # noqa: E402
 
@@ -145,6 +146,7 @@ def main():
         print("[faults] " + json.dumps(summary) + "\n", end="", flush=True)
     else:
         print("[faults] rank 1 " + json.dumps(summary) + "\n", end="", flush=True)
+    end_rank()
 
 
 def agree(cases, mine, theirs):

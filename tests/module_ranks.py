@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(REPO, "fixtures", "step1_trainer"))
 sys.path.insert(0, REPO)
 from patcher.checkpoint.smoke.ranks import skip_shm_allreduce  # noqa: E402
 from patcher.templates import dsfix_safetensors as M  # noqa: E402
+from rank_end import end_rank  # noqa: E402
 from tiny_qwen3 import tiny_qwen3_model, tiny_qwen3_tokenizer  # noqa: E402
 
 
@@ -210,6 +211,7 @@ def main():
     torch.distributed.barrier()
     if rank == 0:
         say("[ranks] " + json.dumps({"world_size": torch.distributed.get_world_size(), "zero_stage": args.zero_stage}))
+    end_rank()
 
 
 if __name__ == "__main__":

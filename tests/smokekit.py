@@ -2,11 +2,21 @@
 
 ``make_checkout`` writes a tiny DeepSpeed-Chat-shaped checkout: an upstream-like utils.py (written
 here, not copied from upstream) followed by the code under test, plus a stub step-1 main.py.
+
+``launch_ranks`` is the one way a test starts ranks (``deepspeed --num_gpus N SCRIPT``); it returns a
+:class:`Launch`, whose ``report()`` is what a failing test shows: each rank's last lines.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import io
+import os
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -139,22 +149,94 @@ def narrow_model(dtype="float32", seed=0):
 # --------------------------------------------------------------------------- the step-1-like trainer, launched
 
 
-def launch_ranks(script, args, nprocs: int = 2, env: dict | None = None, timeout: int = LAUNCH_TIMEOUT_S):
-    """deepspeed --num_gpus N SCRIPT ARGS on CPU ranks (``env``: variables to add); returns (returncode, output).
-    Skips without the launcher; fails, having killed the group, when it runs past ``timeout`` seconds."""
+def _rank_end():
+    path = REPO / "fixtures" / "step1_trainer" / "rank_end.py"
+    spec = importlib.util.spec_from_file_location("dsfix_fixture_rank_end", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rank_end = _rank_end()  # fixtures/step1_trainer/rank_end.py: how a rank ends, and reading each rank's log
+
+
+class LateExit(UserWarning):
+    """Every rank of a launch finished its work and tore down, then a process ended non-zero (an abort in its
+    interpreter's exit: a dependency's fault, not the test's)."""
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launch of ranks: the launcher's exit code (None: killed past LAUNCH_TIMEOUT_S), the launcher's own
+    output, and each rank's log ({rank: text}, the launcher's --enable_each_rank_log)."""
+
+    code: Optional[int]
+    launcher: str = dataclasses.field(repr=False)
+    logs: dict = dataclasses.field(repr=False)
+    nprocs: int = 2
+
+    @property
+    def output(self) -> str:
+        """The launcher's output, then each rank's log in rank order: what tests search for lines."""
+        return self.launcher + "".join("\n" + self.logs[r] for r in sorted(self.logs))
+
+    @property
+    def finished(self) -> list:
+        """The ranks that printed their last line (rank_end.end_rank: all their work done, torn down)."""
+        return rank_end.finished(self.logs)
+
+    @property
+    def ok(self) -> bool:
+        """Every rank did all its work and tore down: each printed its last line, and the launcher exited (0, or
+        see late_exit)."""
+        return self.code is not None and len(self.finished) == self.nprocs
+
+    @property
+    def late_exit(self) -> bool:
+        """Every rank printed its last line, then the launcher exited non-zero: a process died in its interpreter's
+        exit, after all the work a test judges (a dependency's fault; launch_ranks warns with LateExit)."""
+        return self.ok and self.code != 0
+
+    def report(self, lines: int = 40) -> str:
+        """Each rank's last lines (and the launcher's): what a failing launch shows."""
+        return rank_end.tails(self.code, self.launcher, self.logs, self.nprocs, lines)
+
+
+def launch_ranks(script, args, nprocs: int = 2, env: dict | None = None,
+                 timeout: int = LAUNCH_TIMEOUT_S) -> Launch:
+    """deepspeed --num_gpus N SCRIPT ARGS on CPU ranks (``env``: variables to add), each rank's output in a log of
+    its own. Skips without the launcher; fails, having killed the group and shown each rank's last lines, when it
+    runs past ``timeout`` seconds. With DSFIX_RANK_LOGS=DIR set, each launch's logs are also kept in a new folder
+    under DIR."""
     launcher = deepspeed_launcher()
     if launcher is None:
         pytest.skip("the deepspeed launcher is not installed")
-    cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(script)] + [str(a) for a in args]
-    ranks = rank_env(nproc=nprocs)
-    ranks.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    code, output = run_group(cmd, ranks, timeout, cwd=str(REPO))
+    logs = Path(tempfile.mkdtemp(prefix="dsfix-rank-logs-"))
+    try:
+        cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "--enable_each_rank_log",
+               str(logs), str(script)] + [str(a) for a in args]
+        ranks = rank_env(nproc=nprocs)
+        ranks.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        code, output = run_group(cmd, ranks, timeout, cwd=str(REPO))
+        launch = Launch(code, output, rank_end.rank_logs(logs), nprocs)
+        keep = os.environ.get("DSFIX_RANK_LOGS")
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            kept = Path(tempfile.mkdtemp(prefix=Path(script).stem + "-", dir=keep))
+            (kept / "launcher.log").write_text("%s\nexit %s\n%s" % (" ".join(cmd), code, output), encoding="utf-8")
+            for rank, text in launch.logs.items():
+                (kept / ("rank%d.log" % rank)).write_text(text, encoding="utf-8")
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     if code is None:
-        pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (timeout, output[-4000:]))
-    return code, output
+        pytest.fail("deadlock? the launcher ran past %ds:\n%s" % (timeout, launch.report()))
+    if launch.late_exit:
+        late = LateExit("every rank finished, then the launcher exited %s:\n%s" % (code, launch.report(8)))
+        warnings.warn(late, stacklevel=2)
+    return launch
 
 
-def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils):
-    """deepspeed --num_gpus N train.py ... with the ``utils.py`` it saves through; returns (returncode, output)."""
+def run_trainer(tmp_path, nprocs, zero_stage, *extra, utils) -> Launch:
+    """deepspeed --num_gpus N train.py ... with the ``utils.py`` it saves through."""
     return launch_ranks(TRAINER, ["--utils", utils, "--output_dir", tmp_path / "out", "--reference_dir",
                                   tmp_path / "ref", "--zero_stage", zero_stage, *extra], nprocs)

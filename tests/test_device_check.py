@@ -176,6 +176,17 @@ def test_compare_is_bit_for_bit_through_the_tie_and_names_the_first_difference(t
 # --------------------------------------------------------------------------- the whole command, on the CPU
 
 
+def stage_tails(out, lines=30):
+    """Each stage log's last lines (its runs are one rank each): what a failing device check shows."""
+    tails = []
+    for name in ("setup.log", "smoke.log", "step1.log", "engine.log", "bench.log"):
+        path = out / name
+        text = path.read_text(errors="replace").splitlines() if path.is_file() else ["(none)"]
+        tails.append("\n-- %s (last %d of %d lines):\n%s" % (name, min(lines, len(text)), len(text),
+                                                             "\n".join(text[-lines:])))
+    return "".join(tails)
+
+
 @pytest.mark.slow
 @pytest.mark.extended
 def test_device_check_passes_on_the_cpu(tmp_path):
@@ -186,7 +197,7 @@ def test_device_check_passes_on_the_cpu(tmp_path):
     started = time.monotonic()
     p = run(out, "--device", "cpu", "--work", tmp_path / "work", timeout=600)
     seconds = time.monotonic() - started
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:] + stage_tails(out)
     assert {f.name for f in out.iterdir()} == LOGS
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["stage"]: r for r in summary["rows"]}

@@ -38,10 +38,10 @@ def hf_runs(tmp_path_factory, tiny_qwen3_helper):
     from smokekit import launch_ranks
 
     base = tmp_path_factory.mktemp("hf-runs")
-    code, output = launch_ranks(REPO / "fixtures" / "step1_trainer" / "hf_ckpt.py",
-                                ["--output_dir", base / "runs", "--save_model"],
-                                env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
-    assert code == 0, output[-4000:]
+    run = launch_ranks(REPO / "fixtures" / "step1_trainer" / "hf_ckpt.py",
+                       ["--output_dir", base / "runs", "--save_model"],
+                       env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    assert run.ok and "[hf_ckpt] saved " in run.output, run.report()
     model_dir = base / "model"
     config = tiny_qwen3_helper.tiny_qwen3_config()
     config.architectures = ["Qwen3ForCausalLM"]

@@ -39,11 +39,10 @@ def peft_runs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("peft-runs") / "runs"
     # six runs in one launch: 85 s on an idle 2-core machine, 194 s on a loaded one; twice the usual limit
-    code, output = launch_ranks(REPO / "fixtures" / "step1_trainer" / "peft_ckpt.py", ["--output_dir", out],
-                                env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
-                                timeout=2 * LAUNCH_TIMEOUT_S)
-    assert code == 0, output[-4000:]
-    assert "terminate called" not in output, output[-4000:]  # the ranks tear their world down themselves
+    run = launch_ranks(REPO / "fixtures" / "step1_trainer" / "peft_ckpt.py", ["--output_dir", out],
+                       env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+                       timeout=2 * LAUNCH_TIMEOUT_S)
+    assert run.ok and "[peft_ckpt] saved " in run.output, run.report()
     return out
 
 

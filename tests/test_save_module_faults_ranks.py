@@ -19,11 +19,11 @@ DRIVER = REPO / "tests" / "faults_ranks.py"
 
 
 def test_zero3_every_rank0_call_failed_with_each_errno_and_killed(tmp_path):
-    code, output = launch_ranks(DRIVER, ["--work", tmp_path])
-    found = re.search(r"^\[faults\] (\{.*\})$", output, re.M)
-    assert code == 0 and found, output[-6000:]
+    run = launch_ranks(DRIVER, ["--work", tmp_path])
+    found = re.search(r"^\[faults\] (\{.*\})$", run.output, re.M)
+    assert run.ok and found, run.report()
     summary = json.loads(found.group(1))
-    rank1 = json.loads(re.search(r"^\[faults\] rank 1 (\{.*\})$", output, re.M).group(1))
+    rank1 = json.loads(re.search(r"^\[faults\] rank 1 (\{.*\})$", run.output, re.M).group(1))
     assert rank1["rank1_calls"] == 0, "rank 1 never touches the folder"
     assert summary["kills"] == summary["calls"] and summary["cases"] > 2 * summary["calls"]
     rows, version = documented_calls()

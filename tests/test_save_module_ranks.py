@@ -27,14 +27,14 @@ QWEN3_KEYS = 311
 
 
 def launch(work, zero_stage, steps, *extra):
-    """deepspeed --num_gpus 2 module_ranks.py ...: (exit code, output)."""
+    """deepspeed --num_gpus 2 module_ranks.py ...: a smokekit.Launch."""
     work.mkdir(exist_ok=True)
     return launch_ranks(DRIVER, ["--work", work, "--zero_stage", zero_stage, "--steps", ",".join(steps), *extra])
 
 
-def outcome(output, step, rank):
-    found = re.search(rf"^\[ranks\] {step} on rank {rank}: (.*); gathers (\d+)$", output, re.M)
-    assert found, f"no outcome of {step} on rank {rank}:\n{output[-6000:]}"
+def outcome(run, step, rank):
+    found = re.search(rf"^\[ranks\] {step} on rank {rank}: (.*); gathers (\d+)$", run.output, re.M)
+    assert found, f"no outcome of {step} on rank {rank}:\n{run.report()}"
     return found.group(1), int(found.group(2))
 
 
@@ -57,10 +57,10 @@ def files(folder):
             for n in sorted(os.listdir(folder)) if (folder / n).is_file()}
 
 
-def before(output, step):
+def before(run, step):
     """The files of the previous save the step started from, as rank 0 printed them."""
-    found = re.search(rf"^\[ranks\] {step} before: (.*)$", output, re.M)
-    assert found, output[-6000:]
+    found = re.search(rf"^\[ranks\] {step} before: (.*)$", run.output, re.M)
+    assert found, run.report()
     return json.loads(found.group(1))
 
 
@@ -101,83 +101,85 @@ def check_fallback(folder, previous, ref):
 
 def test_zero3_save_gathers_fallback_nan_and_a_rank_that_dies(tmp_path):
     steps = ["save", "one", "small", "misused", "fallback", "nan", "killed"]
-    code, output = launch(tmp_path, 3, steps)
-    assert code != 0, "rank 1 dies in the last step: the launcher stops every rank and fails"
-    assert "[ranks] ZeRO-3: 310 of 310 parameters partitioned before saving" in output
+    run = launch(tmp_path, 3, steps)
+    output = run.output
+    assert run.code != 0 and not run.finished, "rank 1 dies in the last step: the launcher stops every rank and fails"
+    assert "[ranks] ZeRO-3: 310 of 310 parameters partitioned before saving" in output, run.report()
     ref = reference(tmp_path)
 
     # the save, as step 1 makes it: rank 0's save_hf_format leaves config and tokenizer to the weights save
-    assert outcome(output, "save", 0) == ("ok", 1) and outcome(output, "save", 1) == ("ok", 1)
+    assert outcome(run, "save", 0) == ("ok", 1) and outcome(run, "save", 1) == ("ok", 1)
     assert "[dsfix] verified 311 tensors (names, shapes, dtypes; none empty)" in output
     assert f"[dsfix] removed stale pytorch_model.bin from {tmp_path / 'save'}" in output
     check_folder(tmp_path / "save", ref, QWEN3_KEYS, torch.float32)
 
     # other buckets, the same bytes: one parameter at a time (the tied alias rides along) and 0.3 MB
     first = (tmp_path / "save" / "model.safetensors").read_bytes()
-    assert outcome(output, "one", 1) == ("ok", 310)
+    assert outcome(run, "one", 1) == ("ok", 310)
     assert (tmp_path / "one" / "model.safetensors").read_bytes() == first
-    result, gathers = outcome(output, "small", 1)
+    result, gathers = outcome(run, "small", 1)
     assert result == "ok" and 10 <= gathers <= 40
     assert (tmp_path / "small" / "model.safetensors").read_bytes() == first
 
     # zero_stage=0 under ZeRO-3: rank 0 would write placeholders; refused before a byte is written
-    result, gathers = outcome(output, "misused", 0)
+    result, gathers = outcome(run, "misused", 0)
     assert "verification failed" in result and "ZeRO-3 placeholder" in result and gathers == 0
     assert not (tmp_path / "misused").exists()
 
     # rank 0's writer fails: both ranks take the fallback together (a gather each), rank 0 raises its error
-    assert outcome(output, "fallback", 0) == ("failed: RuntimeError: injected writer failure on rank 0", 2)
-    result, gathers = outcome(output, "fallback", 1)
+    assert outcome(run, "fallback", 0) == ("failed: RuntimeError: injected writer failure on rank 0", 2)
+    result, gathers = outcome(run, "fallback", 1)
     assert result.startswith(f"failed: SaveError: dsfix: the save to {tmp_path / 'fallback'} failed on rank 0 "
                              "(RuntimeError: injected writer failure on rank 0)") and gathers == 2
     assert output.count("[dsfix] FALLBACK: ") == 1
-    check_fallback(tmp_path / "fallback", before(output, "fallback"), ref)
+    check_fallback(tmp_path / "fallback", before(run, "fallback"), ref)
 
     # NaN in a weight: one warning on rank 0, the weights saved all the same
-    assert outcome(output, "nan", 0)[0] == "ok"
+    assert outcome(run, "nan", 0)[0] == "ok"
     assert output.count("[dsfix] WARNING: 1 of 311 tensors hold NaN or Inf, the first "
                         "model.layers.5.mlp.up_proj.weight; saved all the same") == 1
     assert torch.isnan(saved(tmp_path / "nan")["model.layers.5.mlp.up_proj.weight"]).sum() == 1
 
     # rank 1 dies in its fifth gather: the previous save stays, nothing of the new one is in place
     assert "[ranks] rank 1 dies in gather 5" in output
-    assert files(tmp_path / "killed") == before(output, "killed")
+    assert files(tmp_path / "killed") == before(run, "killed")
     M.save_hf_format(torch.nn.Linear(2, 2), None, str(tmp_path / "killed"))  # a later save removes any leftover
     assert sorted(n for n in os.listdir(tmp_path / "killed") if n.startswith(".")) == []
 
 
 def test_zero3_bf16_dedupe_in_shards(tmp_path):
     """DeepSpeed-Chat's persistence threshold, 1e4: small parameters stay whole, the embedding is gathered."""
-    code, output = launch(tmp_path, 3, ["save"], "--dtype", "bf16", "--strategy", "dedupe", "--max_shard_size",
-                          "400000", "--persistence_threshold", "1e4")
-    assert code == 0, output[-6000:]
-    assert "[ranks] ZeRO-3: 1 of 310 parameters partitioned before saving" in output
-    assert "[dsfix] verified 310 tensors" in output
+    run = launch(tmp_path, 3, ["save"], "--dtype", "bf16", "--strategy", "dedupe", "--max_shard_size", "400000",
+                 "--persistence_threshold", "1e4")
+    assert run.ok, run.report()
+    assert "[ranks] ZeRO-3: 1 of 310 parameters partitioned before saving" in run.output, run.report()
+    assert "[dsfix] verified 310 tensors" in run.output, run.report()
     check_folder(tmp_path / "save", reference(tmp_path), QWEN3_KEYS - 1, torch.bfloat16)
     assert len([n for n in os.listdir(tmp_path / "save") if n.startswith("model-")]) > 1
 
 
 def test_zero0_save_and_fallback(tmp_path):
-    code, output = launch(tmp_path, 0, ["save", "fallback"])
-    assert code == 0, output[-6000:]
-    assert outcome(output, "save", 0) == ("ok", 0)
-    assert "ZeRO-3 parameters are partitioned" not in output
+    run = launch(tmp_path, 0, ["save", "fallback"])
+    assert run.ok, run.report()
+    assert outcome(run, "save", 0) == ("ok", 0)
+    assert "ZeRO-3 parameters are partitioned" not in run.output
     ref = reference(tmp_path)
     check_folder(tmp_path / "save", ref, QWEN3_KEYS, torch.float32)
-    assert outcome(output, "fallback", 0) == ("failed: RuntimeError: injected writer failure on rank 0", 0)
-    assert outcome(output, "fallback", 1) == ("ok", 0)  # at stage 0 rank 1 saves nothing
-    check_fallback(tmp_path / "fallback", before(output, "fallback"), ref)
+    assert outcome(run, "fallback", 0) == ("failed: RuntimeError: injected writer failure on rank 0", 0)
+    assert outcome(run, "fallback", 1) == ("ok", 0)  # at stage 0 rank 1 saves nothing
+    check_fallback(tmp_path / "fallback", before(run, "fallback"), ref)
 
 
 def test_zero3_with_a_checkout_patched_by_dsfix(zero3_patched_run):
     """fixtures/step1_trainer/train.py saves with the functions `dsfix apply` put into a fixture checkout's
     utils.py; in the same run the checkout's own functions save too (upstream's .bin, without the tied
     lm_head.weight): dsfix's tensors equal them and the reference."""
-    tmp_path, code, output = zero3_patched_run
-    assert code == 0, output[-6000:]
-    assert "[dsfix] verified 311 tensors (names, shapes, dtypes; none empty)" in output
+    tmp_path, run = zero3_patched_run
+    assert run.ok, run.report()
+    output = run.output
+    assert "[dsfix] verified 311 tensors (names, shapes, dtypes; none empty)" in output, run.report()
     assert "[train] ZeRO-3: 310 of 310 parameters partitioned before saving" in output
-    assert "[train] variant original on rank 0: ok" in output
+    assert "[train] variant original on rank 0: ok" in output, run.report()
     after, ref = saved(tmp_path / "out"), reference(tmp_path)["state_dict"]
     assert set(after) == set(ref) and all(torch.equal(after[k], v) for k, v in ref.items())
     before = torch.load(str(tmp_path / "original" / "pytorch_model.bin"), weights_only=True)

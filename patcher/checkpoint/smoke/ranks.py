@@ -13,6 +13,8 @@ and the ZeRO-3 benchmark.
   killed while compiling, and under the ``deepspeed`` launcher maps a 66 MiB buffer per rank in
   /dev/shm that outlives the run. Only DeepSpeed's inference all-reduce uses it; training and saving
   never do, so the ranks lose nothing by using gloo alone.
+- :func:`end_ranks` (rank side, last): the process groups torn down so that no gloo thread is left to abort the
+  rank in the interpreter's exit.
 
 No torch here: :mod:`patcher.checkpoint.smoke.run` imports this on the command line's path.
 """
@@ -82,3 +84,34 @@ def skip_shm_allreduce() -> None:
     compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
     if isinstance(compatible, dict):
         compatible[SHM_OP] = False
+
+
+_KEPT: list = []  # the Work of each rank's last barriers, held to the process's end (end_ranks)
+
+
+def end_ranks() -> None:
+    """The last call of every rank once all its work is done (never after a failure, which may leave the other
+    ranks inside a collective): a barrier on each process group this rank belongs to, then
+    ``destroy_process_group()``.
+
+    A gloo world left to the interpreter's exit can abort the rank after all its work ("terminate called without
+    an active exception", exit -6): the gloo worker thread that drops the last reference to a finished collective
+    releases its tensors' Python objects, which takes the GIL, and a thread that waits for the GIL while Python
+    finalizes is ended by ``pthread_exit``, whose unwinding meets a noexcept destructor. ``destroy_process_group()``
+    alone does not stop gloo's threads while anything (DeepSpeed's parameters, engine, optimizer) still holds the
+    process group, nor does a plain barrier help: a gloo barrier keeps (weakly) the works still running or queued
+    when it starts and waits for them, which puts off their destruction to its own, by a worker thread. Its Work,
+    held here to the process's end, is their last holder instead: this thread releases them, never a worker."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed import distributed_c10d
+
+    names = getattr(getattr(distributed_c10d, "_world", None), "pg_names", None) or {None: ""}
+    groups = sorted(names, key=lambda group: str(names[group]))  # the same order on every rank
+    works = [dist.barrier(group=group, async_op=True) for group in groups]
+    _KEPT.extend(works)
+    for work in works:
+        work.wait()
+    dist.destroy_process_group()

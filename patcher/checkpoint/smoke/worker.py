@@ -21,7 +21,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from patcher.checkpoint.smoke.functions import load_save_functions
-from patcher.checkpoint.smoke.ranks import skip_shm_allreduce
+from patcher.checkpoint.smoke.ranks import end_ranks, skip_shm_allreduce
 from patcher.patch.names import SAVE_HF, SAVE_Z3
 
 REF_FILE = "reference.safetensors"
@@ -149,9 +149,7 @@ def run_rank(spec: dict, on_phase=None) -> dict:
         with phase("save"):
             _save_phase(spec, funcs, runner, tokenizer, rank, local_rank, captured, result)
         if engine is not None:
-            import deepspeed
-
-            deepspeed.comm.barrier()
+            end_ranks()  # a barrier, then the process groups torn down, not left to the interpreter's exit
     except BaseException as e:  # noqa: BLE001 - reported, and the process exits non-zero
         result["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
         result["traceback"] = traceback.format_exc()
