@@ -171,8 +171,9 @@ class CheckpointResult(Result, Checks):
             return f"not converted {self.path}: {self.note or 'a check failed'}; nothing written"
         fused = (f", LoRA fused into {self.lora['layers']} layers with lora_scaling {self.lora['lora_scaling']:g}"
                  if self.lora else "")
-        return (f"converted {self.read} -> {self.output}: {self.tensors} tensors, {self.dtype}, "
-                f"{self.strategy}{fused}")
+        # an adapter has no tied names: the strategy says nothing there
+        how = "the LoRA adapter" if self.kind == "peft-adapter" else self.strategy
+        return f"converted {self.read} -> {self.output}: {self.tensors} tensors, {self.dtype}, {how}{fused}"
 
     @property
     def read(self) -> str:
