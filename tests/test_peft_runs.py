@@ -280,7 +280,9 @@ def test_a_peft_run_converts_with_no_flag_to_the_adapter_it_trained(peft_runs, t
     assert (report["kind"], report["tensors"]) == ("peft-adapter", LORA_KEYS + (2 if run == "peft_trainer_z2" else 0))
     assert max(len(line) for line in stderr.splitlines()) <= 200
     assert stderr.strip().splitlines()[-1] == (f"converted checkpoint-2/global_step2 -> {out}: {report['tensors']} "
-                                               "tensors, bfloat16, the LoRA adapter")
+                                               f"tensors, {report['dtype']}, the LoRA adapter")
+    # the adapter's dtype in training: PEFT keeps it fp32 on the bf16 base that zero.Init made at ZeRO-3
+    assert report["dtype"] == ("float32" if run == "peft_trainer_z3" else "bfloat16")
     reference = _tensors(peft_runs / run / "reference_adapter.safetensors")
     written = _tensors(out / "adapter_model.safetensors")
     assert written.keys() == reference.keys() and all(_equal(written[k], reference[k]) for k in reference)
