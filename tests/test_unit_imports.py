@@ -18,8 +18,9 @@ PATCHER = Path(__file__).resolve().parent.parent / "patcher"
 FORBIDDEN = ("patcher.checkpoint", "torch", "transformers", "deepspeed", "safetensors")
 
 
-def imported_modules(path: Path, source: bytes = None) -> list:
-    """(line, module) of every import in a file, at any depth (inside functions too), relative ones resolved."""
+def imported_modules(path: Path, source: bytes = None, from_too: bool = False) -> list:
+    """(line, module) of every import in a file, at any depth (inside functions too), relative ones resolved.
+    ``from_too``: a ``from a.b import c`` also gives ``a.b`` itself, which the statement imports first."""
     package = ".".join(path.relative_to(PATCHER.parent).with_suffix("").parts[:-1])
     out = []
     for node in ast.walk(ast.parse(path.read_bytes() if source is None else source)):
@@ -31,6 +32,8 @@ def imported_modules(path: Path, source: bytes = None) -> list:
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
             out += [(node.lineno, f"{base}.{a.name}" if a.name != "*" else base) for a in node.names]
+            if from_too and all(a.name != "*" for a in node.names):
+                out.append((node.lineno, base))
     return out
 
 
@@ -112,12 +115,12 @@ def module_name(path: Path) -> str:
 
 def import_graph() -> dict:
     """module -> the patcher modules it imports (at any depth: inside functions too). ``from a.b import c`` is
-    an edge to ``a.b.c`` when that is a module, else to ``a.b``."""
+    an edge to ``a.b`` (whose ``__init__`` runs first), and to ``a.b.c`` too when that is a module."""
     files = {module_name(p): p for p in PATCHER.rglob("*.py")}
     graph = {}
     for name, path in files.items():
         edges = set()
-        for _, target in imported_modules(path):
+        for _, target in imported_modules(path, from_too=True):
             while target and target not in files:
                 target = target.rpartition(".")[0]
             if target and target != name:

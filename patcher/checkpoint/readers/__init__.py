@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from patcher.checkpoint.readers import refuse
+import patcher.checkpoint.readers.refuse as refuse
 from patcher.checkpoint.readers.base import Held, Put, Reader
 from patcher.checkpoint.readers.bin import BinFolder
 from patcher.checkpoint.readers.engine import MODEL12, EngineReader

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from patcher.checkpoint.readers import refuse
+import patcher.checkpoint.readers.refuse as refuse
 from patcher.checkpoint.readers.base import Held, Put, Reader, numel
 from patcher.checkpoint.readers.load import load_deepspeed
 from patcher.errors import DsfixError

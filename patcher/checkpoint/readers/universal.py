@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from patcher.checkpoint.readers import refuse
+import patcher.checkpoint.readers.refuse as refuse
 from patcher.checkpoint.readers.base import Put, numel
 from patcher.checkpoint.readers.engine import MODEL12, EngineReader, model3_files, rank_files, training_precision
 from patcher.checkpoint.readers.load import load_deepspeed
