@@ -45,7 +45,6 @@ NARROW_CONFIG = os.path.join(REPO_ROOT, "fixtures", "models", "qwen3-narrow", "c
 EXAMPLE_CHECKOUT = os.path.join(REPO_ROOT, "fixtures", "checkouts", "package")
 TRAINER = os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "train.py")
 UPSTREAM_WRAPPER = os.path.join(HERE, "device_step1.py")
-RANK_END = os.path.join(REPO_ROOT, "fixtures", "step1_trainer", "rank_end.py")  # how each rank's run ends
 UPSTREAM_COMMIT = "45b4b715"  # DeepSpeedExamples, as docs/steps.md ran it
 SEED = 1234
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -358,12 +357,12 @@ def _launch(check, log, script, script_args, env, cwd):
 def rank_finished(output, rank=0):
     """Whether a rank's output holds its last line (fixtures/step1_trainer/rank_end.py): all its work done and its
     process group torn down, so that a non-zero exit after it is its interpreter's exit, not the run."""
-    import importlib.util
+    if HERE not in sys.path:  # benchmarks/: run as a script it is there already; a test loads this file by path
+        sys.path.insert(0, HERE)
+    import common
 
-    spec = importlib.util.spec_from_file_location("device_rank_end", RANK_END)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.END_LINE.format(rank=rank) in output.splitlines()
+    rank_end = common.load_file_module("fixtures", "step1_trainer", "rank_end.py")
+    return rank_end.END_LINE.format(rank=rank) in output.splitlines()
 
 
 def stage_step1(check):

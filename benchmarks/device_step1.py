@@ -88,14 +88,9 @@ def main():
 
 
 def end_rank():
-    import importlib.util
+    import common  # benchmarks/, this script's folder
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "step1_trainer",
-                        "rank_end.py")
-    spec = importlib.util.spec_from_file_location("device_rank_end", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.end_rank()
+    common.load_file_module("fixtures", "step1_trainer", "rank_end.py").end_rank()
 
 
 if __name__ == "__main__":
