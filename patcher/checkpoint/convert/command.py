@@ -146,7 +146,6 @@ def convert_checkpoint(path, config, *, output=None, tag: Optional[str] = None, 
                        progress_min_bytes: int = PROGRESS_MIN_BYTES) -> CheckpointResult:
     """An engine or universal checkpoint (or a Trainer run folder's chosen ``checkpoint-N``) into ``output``: the
     model, or a PEFT run's adapter (merged into its base with ``merge``)."""
-    from patcher.checkpoint.check.model import folder_kind, model_of
     from patcher.checkpoint.quiet import quiet
     from patcher.checkpoint.readers import open_step
     from patcher.checkpoint.readers.peft import PeftRun, read_adapter_config
@@ -166,9 +165,7 @@ def convert_checkpoint(path, config, *, output=None, tag: Optional[str] = None, 
             adapter = read_adapter_config(peft) or {}
             reader, model, config = peft_reader_of(PeftRun(source, adapter, peft), adapter, peft, base, merge)
         else:
-            model = model_of(config, folder_kind(list(source.tensors) + list(source.aliases)))
-            if model.cfg is None:
-                raise DsfixError(f"{'' if own else '--config: '}{model.config_row.detail}", path=str(config))
+            model = _config_model(source, config, own)
             reader = lora.fused(source, lora_scaling, keep_lora)
         root = step.parent if step != chosen.path else chosen.path
         described = CheckpointResult(
@@ -178,6 +175,17 @@ def convert_checkpoint(path, config, *, output=None, tag: Optional[str] = None, 
             config_own=own, lora=reader.info() if isinstance(reader, lora.FusedLoRA) else None)
         return _into_output(reader, model, output, config, dtype, described, load=load, console=console,
                             max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
+
+
+def _config_model(reader: Any, config: Path, own: bool) -> Any:
+    """The Model that ``config`` (the checkpoint's own folder, or ``--config``) says ``reader``'s tensors make (a
+    causal LM or a critic, from their names). Raises DsfixError when transformers cannot read the config."""
+    from patcher.checkpoint.check.model import folder_kind, model_of
+
+    model = model_of(config, folder_kind(list(reader.tensors) + list(reader.aliases)))
+    if model.cfg is None:
+        raise DsfixError(f"{'' if own else '--config: '}{model.config_row.detail}", path=str(config))
+    return model
 
 
 def _kind(source: Any, peft: Optional[Path], merge: bool) -> str:
@@ -289,7 +297,6 @@ def convert_bin(path, config, *, output=None, tag: Optional[str] = None, dtype: 
                 progress_min_bytes: int = PROGRESS_MIN_BYTES) -> CheckpointResult:
     """A ``.bin`` folder into ``output``, with the config, generation config and tokenizer of ``--config`` or its
     own folder: the checkpoint's pipeline (:func:`_into_output`), read by :class:`BinFolder`."""
-    from patcher.checkpoint.check.model import folder_kind, model_of
     from patcher.checkpoint.quiet import quiet
 
     _no_checkpoint_options(path, tag, lora_scaling, keep_lora, base, merge)
@@ -299,9 +306,7 @@ def convert_bin(path, config, *, output=None, tag: Optional[str] = None, dtype: 
     config, own = (given_config(config), False) if config is not None else (folder, True)
     with quiet():
         reader = BinFolder(folder)
-        model = model_of(config, folder_kind(list(reader.tensors) + list(reader.aliases)))
-        if model.cfg is None:
-            raise DsfixError(f"{'' if own else '--config: '}{model.config_row.detail}", path=str(config))
+        model = _config_model(reader, config, own)
         described = CheckpointResult(path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False,
                                      kind=kind, strategy=strategy, checkpoint=str(path), config=str(config),
                                      config_own=own, sources=tuple(reader.sources))
