@@ -21,31 +21,27 @@ from patcher.checkpoint.check.headers import Check, against_model, dtype_check, 
 from patcher.checkpoint.check.model import ADAPTER, Expected, Model, load_config
 from patcher.checkpoint.check.values import finite_check
 from patcher.checkpoint.check.verify import VerifyReport
-from patcher.checkpoint.names import CONFIG_NAME, examples
+from patcher.checkpoint.names import examples
 from patcher.checkpoint.readers.find import is_engine_checkpoint
-from patcher.checkpoint.readers.peft import ADAPTER_BIN, ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+from patcher.checkpoint.readers.peft import (
+    ADAPTER_BIN,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    base_folder,
+    read_adapter_config,
+)
 from patcher.checkpoint.readers.safetensors import SafetensorsFolder
 from patcher.errors import DsfixError
 
 
 def base_config(config: dict, base: Optional[Path]) -> tuple[Any, Check]:
     """(the base model's config or None, the "base" row): ``base`` when given, else the folder or cached model
-    ``base_model_name_or_path`` names."""
+    ``base_model_name_or_path`` names (:func:`patcher.checkpoint.readers.peft.base_folder`)."""
+    folder, found = base_folder(config, base)
+    if folder is not None:
+        cfg, check, _ = load_config(folder)
+        return cfg, check._replace(name="base", detail=f"{found}: {check.detail}")
     named = str(config.get("base_model_name_or_path") or "")
-    if base is not None:
-        cfg, check, _ = load_config(Path(base))
-        return cfg, check._replace(name="base", detail=f"{base}: {check.detail}")
-    if named and (Path(named) / CONFIG_NAME).is_file():
-        cfg, check, _ = load_config(Path(named))
-        return cfg, check._replace(name="base", detail=f"{named}: {check.detail}")
-    if named:
-        try:
-            from transformers import AutoConfig
-
-            cfg = AutoConfig.from_pretrained(named, local_files_only=True)
-            return cfg, Check("base", True, f"{named} (the Hugging Face cache): model_type {cfg.model_type}")
-        except Exception:  # not a folder here, not in the cache
-            pass
     where = f"{named} is neither a folder here nor in the Hugging Face cache" if named else "it names no base model"
     return None, Check("base", False, f"{ADAPTER_CONFIG}'s base_model_name_or_path: {where}; pass --base BASE_DIR")
 

@@ -19,31 +19,18 @@ from patcher.errors import DsfixError
 
 
 def base_weights(config: dict, base: Optional[Path]) -> Path:
-    """The base model's folder to merge into: ``--base``, else ``base_model_name_or_path`` when it is a folder
-    here or a model in the Hugging Face cache (nothing is downloaded)."""
-    named = str(config.get("base_model_name_or_path") or "")
-    if base is not None:
-        found: Optional[Path] = Path(base)
-    elif named and Path(named).is_dir():
-        found = Path(named)
-    else:
-        found = _cached(named) if named else None
+    """The base model's folder to merge into (:func:`patcher.checkpoint.readers.peft.base_folder`)."""
+    from patcher.checkpoint.readers.peft import base_folder
+
+    found, _ = base_folder(config, base)
     if found is None:
+        named = str(config.get("base_model_name_or_path") or "")
         where = f"base_model_name_or_path {named} is neither a folder here nor in the Hugging Face cache" if named \
             else "adapter_config.json names no base model"
         raise DsfixError(f"--merge needs the base model's weights: {where}; pass --base BASE_DIR")
     if not (found / CONFIG_NAME).is_file():
         raise DsfixError(f"--merge: the base model folder has no {CONFIG_NAME}", path=str(found))
     return found
-
-
-def _cached(named: str) -> Optional[Path]:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(named, local_files_only=True))
-    except Exception:  # not in the cache (or not a model id)
-        return None
 
 
 def reader_of(adapter: Any, config: dict, adapter_dir: Path, base: Optional[Path], merge: bool) -> tuple:

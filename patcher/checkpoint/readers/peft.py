@@ -48,6 +48,25 @@ def read_adapter_config(folder: Path) -> Optional[dict]:
     return config
 
 
+def base_folder(config: dict, base: Optional[Path] = None) -> tuple[Optional[Path], str]:
+    """(the base model's folder, how it was found) for the adapter of ``config`` (adapter_config.json): ``base``
+    (``--base``) when given, else ``base_model_name_or_path`` when it is a folder here or a model in the Hugging
+    Face cache (nothing is downloaded); (None, "") when it is neither."""
+    named = str(config.get("base_model_name_or_path") or "")
+    if base is not None:
+        return Path(base), str(base)
+    if named and Path(named).is_dir():
+        return Path(named), named
+    if named:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(named, local_files_only=True)), f"{named} (the Hugging Face cache)"
+        except Exception:  # not in the cache (or not a model id)
+            pass
+    return None, ""
+
+
 def saved_name(name: str, adapter: str) -> str:
     """The name PEFT's ``get_peft_model_state_dict`` saves a parameter under: a ``modules_to_save`` copy under its
     module's own name, every other name without the adapter's (``...q_proj.lora_A.default.weight`` ->
