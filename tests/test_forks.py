@@ -124,11 +124,17 @@ def test_other_entry_scripts_are_listed_and_patched_with_script(tmp_path):
     assert b"+++ b/dschat/utils/utils.py" not in diff, "the shadowed copy is left alone"
 
 
-def test_layout_without_step1_main_names_the_candidates(tmp_path):
-    top, cwd, _ = _copy(FIXTURES / "fork-root-script", tmp_path / "a")
-    code, _, err = cli("check", ".", cwd=cwd)
-    assert code == 2
-    assert "sft_train.py" in err and "--main" in err
+def test_the_one_script_that_saves_is_step1_without_main(tmp_path):
+    """fork-root-script's FIXTURE.json passes --main sft_train.py; without it, the one script that calls the
+    save functions is taken, said in one line, and the diff is the same."""
+    top, cwd, meta = _copy(FIXTURES / "fork-root-script", tmp_path / "a")
+    code, given, _ = cli("check", ".", *meta["args"], cwd=cwd)
+    assert code == 1
+    code, found, err = cli("check", ".", cwd=cwd)
+    assert code == 1, err
+    assert found == given
+    lines = [ln for ln in err.splitlines() if "step 1:" in ln]
+    assert lines == ["warning: step 1: sft_train.py, the one script that calls save_hf_format (--main picks another)"]
 
 
 def test_the_main_a_refusal_names_works_pasted_from_another_folder(tmp_path):

@@ -160,6 +160,10 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
         root = _one_chat_root_below(start, repo, notes)
     if main_path is None and (root is None or not _exists(root / STEP_MAIN[1])):
         root, main_path = _step1_anywhere(root, home, notes)
+        if main_path is None:
+            main_path = one_saving_script(root or home, home, notes)
+            if main_path is not None and root is None:
+                root = home
     if root is None:
         raise _no_checkout(start, repo)
     co = _checkout_at(root, main_path, script_paths, home)
@@ -196,6 +200,42 @@ def _step1_anywhere(root: Path | None, home: Path, notes: list) -> tuple:
     notes.append(f"no {STEP_MAIN[1]}: using {_rel(base, found[0])}, the one {STEP1_DIR}/main.py "
                  "that calls the save functions (--main picks another)")
     return base, found[0]
+
+
+STEP1_WORDS = ("sft", "step1", "supervised")
+
+
+def one_saving_script(base: Path, home: Path, notes: list) -> Path | None:
+    """The script to take as step 1 where no step1_supervised_finetuning/main.py saves: the one script under
+    ``base`` that calls the save functions (outside the files that define them, and outside step 2's and 3's
+    folders); of several, the one whose path alone says supervised fine-tuning (STEP1_WORDS), others named
+    with the --main that picks them. None where that does not decide (the refusal then names each)."""
+    found = [p for p in callers(base, names=(*SAVE_NAMES, *PUBLIC_NAMES)) if not _later_step(base, p)]
+    rels = [Path(os.path.relpath(p, home)).as_posix() for p in found]
+    if len(found) == 1:
+        notes.append(f"step 1: {rels[0]}, the one script that calls {_called(found[0])} (--main picks another)")
+        return found[0]
+    sft = [i for i, r in enumerate(rels) if any(w in r.lower() for w in STEP1_WORDS)]
+    if len(found) > 1 and len(sft) == 1:
+        others = shown([_opt("--main", r) for i, r in enumerate(rels) if i != sft[0]], sep=" or ")
+        notes.append(f"step 1: {rels[sft[0]]}, of {len(found)} scripts that call {_called(found[sft[0]])} the one "
+                     f"whose name says supervised fine-tuning ({others} picks another)")
+        return found[sft[0]]
+    return None
+
+
+def _later_step(base: Path, p: Path) -> bool:
+    rel = Path(os.path.relpath(p, base)).as_posix()
+    return "step2" in rel or "step3" in rel
+
+
+def _called(path: Path) -> str:
+    """The first save function a script calls, by name (for the line that says why it is step 1)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return SAVE_NAMES[0]
+    return next((n for n in (*SAVE_NAMES, *PUBLIC_NAMES) if f"{n}(".encode() in data), SAVE_NAMES[0])
 
 
 def _no_checkout(start: Path, repo) -> DsfixError:
@@ -355,10 +395,9 @@ def python_files(folder: Path, depth: int = 4, limit: int = 2000):
                 continue
 
 
-def callers(folder: Path, depth: int = 4, limit: int = 2000) -> list:
-    """Python files under ``folder`` that call a save function without defining save_hf_format."""
-    return [path for path, data in python_files(folder, depth, limit)
-            if any(f"{n}(".encode() in data for n in SAVE_NAMES) and b"def save_hf_format" not in data]
+def callers(folder: Path, depth: int = 4, limit: int = 2000, names=SAVE_NAMES) -> list:
+    """Python files under ``folder`` that call a save function (of ``names``) without defining save_hf_format."""
+    return [path for path, data in python_files(folder, depth, limit) if _calls_save(data, names)]
 
 
 def _checkout_at(root: Path, main_path: Path | None, scripts: list, home: Path | None = None) -> Checkout:
@@ -445,7 +484,7 @@ def _shadowed(root: Path, utils_path: Path) -> list:
     out = []
     for rel in LAYOUTS.values():
         other = root / rel
-        if other.is_file() and other.resolve() != utils_path.resolve():
+        if other.is_file() and other.resolve() != utils_path.resolve() and _defines_save(other):
             out.append(f"step 1 imports {_rel(root, utils_path)}, which shadows {rel}: the copy step 1 really "
                        f"imports is the one patched, and {rel} is left alone")
     return out
@@ -455,6 +494,13 @@ def _left_alone(root: Path, main_path: Path, scripts) -> list:
     others = [p for p in callers(main_path.parent, depth=1) if p != main_path and p not in scripts]
     return [f"{_rel(root, p)} also calls the save functions and is not patched (add {_opt('--script', _rel(root, p))})"
             for p in others]
+
+
+def _defines_save(path: Path) -> bool:
+    try:
+        return b"def save_hf_format" in path.read_bytes()
+    except OSError:
+        return False
 
 
 def check_inside(root: Path, path: Path) -> None:
