@@ -20,7 +20,10 @@ import pytest
 
 from patchkit import FIXTURES, REPO, cli, git_apply, pyflakes_messages, snapshot
 
-FORKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "FIXTURE.json").is_file())
+FORKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "FIXTURE.json").is_file()
+               and json.loads((p / "FIXTURE.json").read_text())["expect"] == "patched")
+SAFE = sorted(p.name for p in FIXTURES.iterdir() if (p / "FIXTURE.json").is_file()
+              and json.loads((p / "FIXTURE.json").read_text())["expect"] == "safe")
 REFUSED_DIR = REPO / "fixtures" / "refused"
 REFUSED = sorted(p.name for p in REFUSED_DIR.iterdir() if p.is_dir())
 SAVE_NAMES = ("save_hf_format", "save_zero_three_model", "save_hf_format_safetensors",
@@ -42,7 +45,7 @@ def _without_state(snap: dict) -> dict:
 
 
 def test_every_fork_fixture_is_listed():
-    assert len(FORKS) >= 7 and len(REFUSED) >= 3
+    assert len(FORKS) >= 7 and len(REFUSED) >= 3 and len(SAFE) >= 1
 
 
 @pytest.mark.slow
@@ -111,6 +114,24 @@ def test_refused_fork_names_file_line_and_reason(tmp_path, name):
         assert meta["message"] in lines[0], lines[0]
         assert out == b""
         assert snapshot(top) == before, f"{verb} wrote nothing"
+
+
+@pytest.mark.parametrize("name", SAFE)
+def test_a_fork_that_saves_safely_is_told_so(tmp_path, name):
+    """Its saves already keep tied weights in safetensors: check and apply exit 0, say why in one line, write
+    nothing (no state folder either), and a revert finds nothing of dsfix's."""
+    top, cwd, meta = _copy(FIXTURES / name, tmp_path / "a")
+    before = snapshot(top)
+    for verb in ("check", "apply"):
+        code, out, err = cli(verb, ".", *meta["args"], cwd=cwd)
+        assert code == 0 and out == b"", err
+        lines = [ln for ln in err.splitlines() if ln.startswith("nothing to do:")]
+        assert len(lines) == 1 and lines[0].startswith(meta["message"]), err
+        assert "transformers 4.35" in lines[0] and "tied weights" in lines[0]
+        assert snapshot(top) == before, f"{verb} wrote nothing"
+    code, _, err = cli("revert", ".", cwd=cwd)
+    assert code == 0 and "nothing to revert" in err, err
+    assert snapshot(top) == before
 
 
 def test_other_entry_scripts_are_listed_and_patched_with_script(tmp_path):
