@@ -14,9 +14,10 @@ from patcher.patch import plan as planner
 from patcher.patch import safe
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
-from patcher.patch.locate import Checkout, chat_roots_below, find_checkout, find_patched, layout_of
+from patcher.patch.locate import Checkout, find_checkout, layout_of
 from patcher.patch.names import SAVE_NAMES
 from patcher.patch.plan import Status, Target
+from patcher.patch.scan import chat_roots_below, find_patched
 from patcher.patch.source import Unreadable, parse_script
 from patcher.patch.template import check_strategy
 from patcher.report import Result
@@ -258,7 +259,7 @@ def apply(repo=".", strategy: str | None = None, steps=None, main=None, scripts=
 
 def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
     """With the state folder (found at or above ``repo``), the files it records; without, a structural undo
-    of what dsfix changed, found in the files themselves (see locate.find_patched). What to do with each
+    of what dsfix changed, found in the files themselves (see scan.find_patched). What to do with each
     file, in which order, and what counts as restored is plan_revert's; here: read, then write once."""
     root = st.find_root(repo)
     co, not_a_checkout = None, None

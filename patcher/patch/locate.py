@@ -13,21 +13,19 @@ from patcher.errors import DsfixError, file_not_folder, shown
 from patcher.patch import state
 from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE_FILE, SAVE_NAMES
 from patcher.patch.resolve import resolve_script
-
-STEP_DIRS = {
-    1: "training/step1_supervised_finetuning",
-    2: "training/step2_reward_model_finetuning",
-    3: "training/step3_rlhf_finetuning",
-}
-STEP_MAIN = {step: f"{d}/main.py" for step, d in STEP_DIRS.items()}
-
-# layout name -> utils.py relative path
-LAYOUTS = {
-    "package": "dschat/utils/utils.py",
-    "legacy": "training/utils/utils.py",
-}
-CHAT_SUBDIR = "applications/DeepSpeed-Chat"
-_SKIP_DIRS = {".git", ".dsfix", ".venv", "venv", "env", "node_modules", "__pycache__", "site-packages", "build", "dist"}
+from patcher.patch.scan import (
+    CHAT_SUBDIR,
+    LAYOUTS,
+    STEP1_DIR,
+    STEP_DIRS,
+    STEP_MAIN,
+    callers,
+    chat_roots_below,
+    defines_save,
+    is_chat_root,
+    later_step,
+    step1_candidates,
+)
 
 
 @dataclass(frozen=True)
@@ -106,10 +104,6 @@ def layout_of(saved, co: "Checkout | None") -> str:
     return co.layout if co is not None else "marked"
 
 
-def _is_chat_root(d: Path) -> bool:
-    return (d / STEP_MAIN[1]).is_file() or any((d / u).is_file() for u in LAYOUTS.values())
-
-
 def _candidates(start: Path):
     for d in (start, *start.parents):
         yield d
@@ -118,12 +112,9 @@ def _candidates(start: Path):
 
 def _chat_root(start: Path) -> Path | None:
     for d in _candidates(start):
-        if d.is_dir() and _is_chat_root(d):
+        if d.is_dir() and is_chat_root(d):
             return d
     return None
-
-
-STEP1_DIR = "step1_supervised_finetuning"
 
 
 def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None = None, scripts=()) -> Checkout:
@@ -210,7 +201,7 @@ def one_saving_script(base: Path, home: Path, notes: list) -> Path | None:
     ``base`` that calls the save functions (outside the files that define them, and outside step 2's and 3's
     folders); of several, the one whose path alone says supervised fine-tuning (STEP1_WORDS), others named
     with the --main that picks them. None where that does not decide (the refusal then names each)."""
-    found = [p for p in callers(base, names=(*SAVE_NAMES, *PUBLIC_NAMES)) if not _later_step(base, p)]
+    found = [p for p in callers(base, names=(*SAVE_NAMES, *PUBLIC_NAMES)) if not later_step(base, p)]
     rels = [Path(os.path.relpath(p, home)).as_posix() for p in found]
     if len(found) == 1:
         notes.append(f"step 1: {rels[0]}, the one script that calls {_called(found[0])} (--main picks another)")
@@ -222,11 +213,6 @@ def one_saving_script(base: Path, home: Path, notes: list) -> Path | None:
                      f"whose name says supervised fine-tuning ({others} picks another)")
         return found[sft[0]]
     return None
-
-
-def _later_step(base: Path, p: Path) -> bool:
-    rel = Path(os.path.relpath(p, base)).as_posix()
-    return "step2" in rel or "step3" in rel
 
 
 def _called(path: Path) -> str:
@@ -272,34 +258,6 @@ def _step1_base(start: Path) -> Path:
     return start
 
 
-def step1_candidates(base: Path, depth: int = 8, limit: int = 20000) -> list:
-    """Every step1_supervised_finetuning/main.py under ``base`` (``depth`` folders down at most) that calls
-    the save functions (or dsfix's, once patched), in a stable order. Folders are walked, files read only
-    where the name fits; ``limit`` folders at most."""
-    found, base_depth, seen = [], len(base.parts), 0
-    for d, dirs, files in os.walk(base):
-        seen += 1
-        if seen > limit:
-            break
-        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
-        path = Path(d)
-        if len(path.parts) - base_depth >= depth:
-            dirs[:] = []
-        if path.name != STEP1_DIR or "main.py" not in files:
-            continue
-        try:
-            data = (path / "main.py").read_bytes()
-        except OSError:
-            continue
-        if _calls_save(data, (*SAVE_NAMES, *PUBLIC_NAMES)):
-            found.append(path / "main.py")
-    return found
-
-
-def _calls_save(data: bytes, names) -> bool:
-    return any(f"{n}(".encode() in data for n in names) and b"def save_hf_format" not in data
-
-
 def _remembered(rec):
     """(root, step-1 script, further scripts) as an earlier apply recorded them (``rec``, a state.Record),
     when that script still exists and is not the one dsfix would find anyway; else None."""
@@ -311,43 +269,6 @@ def _remembered(rec):
     if not main.is_file() or (main == root / STEP_MAIN[1] and not scripts):
         return None
     return root, main, scripts
-
-
-def chat_roots_below(start: Path, depth: int = 4) -> list:
-    """DeepSpeed-Chat folders under ``start`` (a repository that keeps its copy a few folders down)."""
-    found, base = [], len(start.parts)
-    for d, dirs, _files in os.walk(start):
-        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
-        path = Path(d)
-        if path != start and _is_chat_root(path) and (path / STEP_MAIN[1]).is_file():
-            found.append(path)
-            dirs[:] = []
-        if len(path.parts) - base >= depth:
-            dirs[:] = []
-    return found
-
-
-def find_patched(root: Path, depth: int = 5, limit: int = 3000) -> list:
-    """[(path, role, modules)] of what an earlier apply changed under ``root``, read from the files alone (for a
-    revert without the state folder): utils.py and model_utils.py with dsfix's marker line, and every script
-    that calls dsfix's functions imported from that utils.py, wherever it is (--main and --script ones too)."""
-    marked, scripts = [], []
-    for path, data in python_files(root, depth, limit):
-        if b"# dsfix: template=" in data:
-            marked.append((path, "loader" if b"kind=loader" in data else "utils"))
-        elif any(f"{n}(".encode() in data for n in PUBLIC_NAMES):
-            scripts.append(path)
-    utils = [p for p, role in marked if role == "utils"]
-    out = [(p, "utils", ()) for p in utils[:1]] + [(p, role, ()) for p, role in marked if role == "loader"]
-    out += [(p.parent / SAVE_MODULE_FILE, "module", ()) for p in utils[:1] if (p.parent / SAVE_MODULE_FILE).is_file()]
-    for script in scripts:
-        try:
-            res = resolve_script(script, script.read_bytes(), root)
-        except (DsfixError, OSError):
-            continue
-        if utils and res.utils is not None and res.utils.resolve() == utils[0].resolve():
-            out.append((script, "script", res.modules))
-    return out
 
 
 def _given(p, option, home: Path, notes: list) -> Path:
@@ -373,31 +294,6 @@ def _given(p, option, home: Path, notes: list) -> Path:
         raise DsfixError(f"{option}: no such file", path=str(p))
     raise DsfixError(f"{option}: no such file in the checkout or the current folder; pass a path relative to "
                      "either", path=path.as_posix())
-
-
-def python_files(folder: Path, depth: int = 4, limit: int = 2000):
-    """(path, bytes) of the .py files under ``folder``, ``depth`` folders down at most, in a stable order,
-    skipping virtual environments, caches and hidden folders; ``limit`` files at most."""
-    base, seen = len(folder.parts), 0
-    for d, dirs, files in os.walk(folder):
-        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
-        if len(Path(d).parts) - base >= depth:
-            dirs[:] = []
-        for f in sorted(files):
-            if not f.endswith(".py"):
-                continue
-            seen += 1
-            if seen > limit:
-                return
-            try:
-                yield Path(d) / f, (Path(d) / f).read_bytes()
-            except OSError:
-                continue
-
-
-def callers(folder: Path, depth: int = 4, limit: int = 2000, names=SAVE_NAMES) -> list:
-    """Python files under ``folder`` that call a save function (of ``names``) without defining save_hf_format."""
-    return [path for path, data in python_files(folder, depth, limit) if _calls_save(data, names)]
 
 
 def _checkout_at(root: Path, main_path: Path | None, scripts: list, home: Path | None = None) -> Checkout:
@@ -484,7 +380,7 @@ def _shadowed(root: Path, utils_path: Path) -> list:
     out = []
     for rel in LAYOUTS.values():
         other = root / rel
-        if other.is_file() and other.resolve() != utils_path.resolve() and _defines_save(other):
+        if other.is_file() and other.resolve() != utils_path.resolve() and defines_save(other):
             out.append(f"step 1 imports {_rel(root, utils_path)}, which shadows {rel}: the copy step 1 really "
                        f"imports is the one patched, and {rel} is left alone")
     return out
@@ -494,13 +390,6 @@ def _left_alone(root: Path, main_path: Path, scripts) -> list:
     others = [p for p in callers(main_path.parent, depth=1) if p != main_path and p not in scripts]
     return [f"{_rel(root, p)} also calls the save functions and is not patched (add {_opt('--script', _rel(root, p))})"
             for p in others]
-
-
-def _defines_save(path: Path) -> bool:
-    try:
-        return b"def save_hf_format" in path.read_bytes()
-    except OSError:
-        return False
 
 
 def check_inside(root: Path, path: Path) -> None:
