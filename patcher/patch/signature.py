@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from patcher.errors import DsfixError, Refused
-from patcher.patch import folder, imports, keyfilter, safe
+from patcher.patch import folder, imports, keyfilter, safe, slicer
 from patcher.patch import source as src
 from patcher.patch.names import MODULE_FUNCTIONS, RENAMES
 
@@ -116,7 +116,7 @@ def _params(fn: cst.FunctionDef) -> tuple:
 
 
 def reads(node) -> set:
-    return folder.reads(node)
+    return slicer.reads(node)
 
 
 def _body(fn: cst.FunctionDef) -> list:
@@ -155,7 +155,7 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.Functi
         raise DsfixError(f"{name} saves no weights (no torch.save, save_file or save_pretrained of the model in "
                          "it): there is nothing in it for dsfix to turn into safetensors", path=rel, line=line)
     keys = _read_keys(name, fn_ast, source, names, rel)
-    other_reads = set().union(*(folder.reads(s, where.carried) for s in body)) if body else set()
+    other_reads = set().union(*(slicer.reads(s, where.carried) for s in body)) if body else set()
     other_reads -= keys.params  # read by the key test, which dsfix's save carries
     passed, notes = _passed(name, params, positional[0].name, set(where.reads), other_reads, rel, line)
     _check_rank(name, fn, dict(passed), rel, line)
