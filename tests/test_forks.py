@@ -116,6 +116,26 @@ def test_refused_fork_names_file_line_and_reason(tmp_path, name):
         assert snapshot(top) == before, f"{verb} wrote nothing"
 
 
+def test_the_script_found_is_remembered_when_another_appears(tmp_path):
+    """fork-one-saver: apply takes its one saving script and records it; a second saving script added later
+    would make the folder ambiguous, but check, a second apply and revert use the recorded one."""
+    top, cwd, _ = _copy(FIXTURES / "fork-one-saver", tmp_path / "a")
+    before = snapshot(top)
+    code, _, err = cli("apply", ".", cwd=cwd)
+    assert code == 0 and "step 1: training/train_info.py, the one script" in err, err
+    other = top / "training" / "train_other.py"
+    other.write_bytes((top / "training" / "train_info.py").read_bytes())  # unpatched: it calls the originals
+    patched = snapshot(top)
+    code, diff, err = cli("check", ".", cwd=cwd)
+    assert (code, diff) == (0, b""), err
+    assert cli("apply", ".", cwd=cwd)[0] == 0
+    assert snapshot(top) == patched
+    code, _, err = cli("revert", ".", cwd=cwd)
+    assert code == 0, err
+    other.unlink()
+    assert snapshot(top) == before
+
+
 @pytest.mark.parametrize("name", SAFE)
 def test_a_fork_that_saves_safely_is_told_so(tmp_path, name):
     """Its saves already keep tied weights in safetensors: check and apply exit 0, say why in one line, write
