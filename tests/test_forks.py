@@ -20,7 +20,10 @@ import pytest
 
 from patchkit import FIXTURES, REPO, cli, git_apply, pyflakes_messages, snapshot
 
-FORKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "FIXTURE.json").is_file())
+FORKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "FIXTURE.json").is_file()
+               and json.loads((p / "FIXTURE.json").read_text())["expect"] == "patched")
+SAFE = sorted(p.name for p in FIXTURES.iterdir() if (p / "FIXTURE.json").is_file()
+              and json.loads((p / "FIXTURE.json").read_text())["expect"] == "safe")
 REFUSED_DIR = REPO / "fixtures" / "refused"
 REFUSED = sorted(p.name for p in REFUSED_DIR.iterdir() if p.is_dir())
 SAVE_NAMES = ("save_hf_format", "save_zero_three_model", "save_hf_format_safetensors",
@@ -42,7 +45,7 @@ def _without_state(snap: dict) -> dict:
 
 
 def test_every_fork_fixture_is_listed():
-    assert len(FORKS) >= 7 and len(REFUSED) >= 3
+    assert len(FORKS) >= 7 and len(REFUSED) >= 3 and len(SAFE) >= 1
 
 
 @pytest.mark.slow
@@ -113,6 +116,44 @@ def test_refused_fork_names_file_line_and_reason(tmp_path, name):
         assert snapshot(top) == before, f"{verb} wrote nothing"
 
 
+def test_the_script_found_is_remembered_when_another_appears(tmp_path):
+    """fork-one-saver: apply takes its one saving script and records it; a second saving script added later
+    would make the folder ambiguous, but check, a second apply and revert use the recorded one."""
+    top, cwd, _ = _copy(FIXTURES / "fork-one-saver", tmp_path / "a")
+    before = snapshot(top)
+    code, _, err = cli("apply", ".", cwd=cwd)
+    assert code == 0 and "step 1: training/train_info.py, the one script" in err, err
+    other = top / "training" / "train_other.py"
+    other.write_bytes((top / "training" / "train_info.py").read_bytes())  # unpatched: it calls the originals
+    patched = snapshot(top)
+    code, diff, err = cli("check", ".", cwd=cwd)
+    assert (code, diff) == (0, b""), err
+    assert cli("apply", ".", cwd=cwd)[0] == 0
+    assert snapshot(top) == patched
+    code, _, err = cli("revert", ".", cwd=cwd)
+    assert code == 0, err
+    other.unlink()
+    assert snapshot(top) == before
+
+
+@pytest.mark.parametrize("name", SAFE)
+def test_a_fork_that_saves_safely_is_told_so(tmp_path, name):
+    """Its saves already keep tied weights in safetensors: check and apply exit 0, say why in one line, write
+    nothing (no state folder either), and a revert finds nothing of dsfix's."""
+    top, cwd, meta = _copy(FIXTURES / name, tmp_path / "a")
+    before = snapshot(top)
+    for verb in ("check", "apply"):
+        code, out, err = cli(verb, ".", *meta["args"], cwd=cwd)
+        assert code == 0 and out == b"", err
+        lines = [ln for ln in err.splitlines() if ln.startswith("nothing to do:")]
+        assert len(lines) == 1 and lines[0].startswith(meta["message"]), err
+        assert "transformers 4.35" in lines[0] and "tied weights" in lines[0]
+        assert snapshot(top) == before, f"{verb} wrote nothing"
+    code, _, err = cli("revert", ".", cwd=cwd)
+    assert code == 0 and "nothing to revert" in err, err
+    assert snapshot(top) == before
+
+
 def test_other_entry_scripts_are_listed_and_patched_with_script(tmp_path):
     top, cwd, meta = _copy(FIXTURES / "fork-shadow", tmp_path / "a")
     code, diff, err = cli("check", ".", cwd=cwd)
@@ -124,11 +165,17 @@ def test_other_entry_scripts_are_listed_and_patched_with_script(tmp_path):
     assert b"+++ b/dschat/utils/utils.py" not in diff, "the shadowed copy is left alone"
 
 
-def test_layout_without_step1_main_names_the_candidates(tmp_path):
-    top, cwd, _ = _copy(FIXTURES / "fork-root-script", tmp_path / "a")
-    code, _, err = cli("check", ".", cwd=cwd)
-    assert code == 2
-    assert "sft_train.py" in err and "--main" in err
+def test_the_one_script_that_saves_is_step1_without_main(tmp_path):
+    """fork-root-script's FIXTURE.json passes --main sft_train.py; without it, the one script that calls the
+    save functions is taken, said in one line, and the diff is the same."""
+    top, cwd, meta = _copy(FIXTURES / "fork-root-script", tmp_path / "a")
+    code, given, _ = cli("check", ".", *meta["args"], cwd=cwd)
+    assert code == 1
+    code, found, err = cli("check", ".", cwd=cwd)
+    assert code == 1, err
+    assert found == given
+    lines = [ln for ln in err.splitlines() if "step 1:" in ln]
+    assert lines == ["warning: step 1: sft_train.py, the one script that calls save_hf_format (--main picks another)"]
 
 
 def test_the_main_a_refusal_names_works_pasted_from_another_folder(tmp_path):

@@ -80,8 +80,10 @@ REFUSED = [
     ("five: the list is cut", {**PKG, **_mains(5)}, None, [f"--main v2/{S1} and 2 more"]),
     ("a folder with a space", {**PKG, f"my runs/{S1}": FROM_PKG, f"v/{S1}": FROM_PKG}, None,
      [f"--main 'my runs/{S1}' or --main v/{S1}"]),
-    ("another name needs --main", {**PKG, "training/step1_supervised_finetuning/sft.py": FROM_PKG}, None,
-     ["no training/step1_supervised_finetuning/main.py", "--main training/step1_supervised_finetuning/sft.py"]),
+    ("two other names need --main", {**PKG, "training/step1_supervised_finetuning/sft.py": FROM_PKG,
+                                     "training/step1_supervised_finetuning/sft_lora.py": FROM_PKG}, None,
+     ["no training/step1_supervised_finetuning/main.py", "--main training/step1_supervised_finetuning/sft.py or "
+      "--main training/step1_supervised_finetuning/sft_lora.py"]),
     ("no checkout, two scripts", {"a.py": FROM_PKG, "b.py": FROM_PKG}, None,
      ["no DeepSpeed-Chat checkout here or above", "--main a.py or --main b.py"]),
     ("no checkout, no script", {"a.py": NO_SAVE}, None,

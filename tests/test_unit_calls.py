@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from patcher.patch import calls
+from patcher.patch import calls, reach
 
 MODULES = ("dschat.utils.utils",)
 NAMES = ("save_hf_format", "save_zero_three_model")
@@ -129,4 +129,4 @@ MODULE_READS = [
 
 @pytest.mark.parametrize("src, n", MODULE_READS)
 def test_module_reads(src, n):
-    assert calls.module_reads(src, ["json"]) == {"json": n}
+    assert reach.module_reads(src, ["json"]) == {"json": n}

@@ -21,6 +21,11 @@ PACKAGE = {"dschat/__init__.py": "", "dschat/utils/__init__.py": "", "dschat/uti
 LEGACY = {"training/utils/__init__.py": "", "training/utils/utils.py": SAVE, STEP1: LEGACY_MAIN}
 
 
+TOP_UTILS = {"utils/__init__.py": "", "utils/utils.py": SAVE}
+TOP_CALL = ("import os, sys\nsys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))\n"
+            "from utils.utils import save_hf_format\nsave_hf_format(m, t, a)\n")
+
+
 def under(prefix: str, files: dict) -> dict:
     return {f"{prefix}/{k}": v for k, v in files.items()}
 
@@ -45,6 +50,26 @@ FOUND = [
     ("a module alias of the utils module",
      {**PACKAGE, STEP1: "import dschat.utils.utils as u\nu.save_hf_format(m, t, a)\n"}, ".",
      (".", "package", "dschat/utils/utils.py", STEP1, "dschat.utils.utils")),
+    # no step1_supervised_finetuning/main.py: the one script that calls the save functions is step 1
+    ("the one script that saves, at the top beside utils/", {**TOP_UTILS, "sft_train.py": TOP_CALL}, ".",
+     (".", "fork", "utils/utils.py", "sft_train.py", "utils.utils")),
+    ("the one script that saves, the save functions in another module; one that saves nothing beside it",
+     {"training/utils/__init__.py": "", "training/utils/model/__init__.py": "",
+      "training/utils/model/save_utils.py": SAVE, "training/utils/utils.py": "def print_rank_0(m):\n    print(m)\n",
+      "training/train_rag.py": "from utils.model.save_utils import save_hf_format\nsave_hf_format(m, t, a)\n",
+      "training/evaluate.py": "from utils.utils import print_rank_0\nprint_rank_0(1)\n"}, ".",
+     (".", "fork", "training/utils/model/save_utils.py", "training/train_rag.py", "utils.model.save_utils")),
+    ("step 2's script is no candidate for step 1",
+     {**TOP_UTILS, "run.py": TOP_CALL, "step2_reward_model_finetuning/main.py": TOP_CALL}, ".",
+     (".", "fork", "utils/utils.py", "run.py", "utils.utils")),
+    ("package layout, step 1 named otherwise: the one script that saves",
+     {**{k: v for k, v in PACKAGE.items() if k != STEP1}, "training/step1_supervised_finetuning/sft.py": PKG_MAIN}, ".",
+     (".", "package", "dschat/utils/utils.py", "training/step1_supervised_finetuning/sft.py", "dschat.utils.utils")),
+    ("of two that save, the one whose name says sft", {**TOP_UTILS, "sft.py": TOP_CALL, "dpo.py": TOP_CALL}, ".",
+     (".", "fork", "utils/utils.py", "sft.py", "utils.utils")),
+    ("of three that save, the one in a folder whose name says supervised",
+     {**TOP_UTILS, "supervised/train.py": TOP_CALL, "rlhf/ppo.py": TOP_CALL, "rlhf/reward.py": TOP_CALL}, ".",
+     (".", "fork", "utils/utils.py", "supervised/train.py", "utils.utils")),
 ]
 
 
@@ -77,6 +102,11 @@ REFUSED = [
      ".", "main.py:1: no import resolves to a utils.py that defines save_hf_format: nowhere.utils"),
     ("step 1 does not parse", {**PACKAGE, STEP1: "def (:\n"}, ".", "main.py:1: does not parse: invalid syntax"),
     ("a file where a folder goes", PACKAGE, STEP1, "main.py: is a file, not a folder; pass the folder that holds it"),
+    ("two scripts that save, neither named for supervised fine-tuning",
+     {**TOP_UTILS, "main.py": TOP_CALL, "mainSingle.py": TOP_CALL}, ".",
+     "for a script that calls save_hf_format, pass --main main.py or --main mainSingle.py"),
+    ("two scripts that save, both named for it", {**TOP_UTILS, "sft_lora.py": TOP_CALL, "sft_full.py": TOP_CALL}, ".",
+     "pass --main sft_full.py or --main sft_lora.py"),
 ]
 
 
@@ -95,10 +125,15 @@ def test_a_missing_folder_is_refused(tmp_path):
 
 
 def test_main_names_the_step1_script_of_a_layout_without_one(tmp_path):
-    write(tmp_path, {"utils/__init__.py": "", "utils/utils.py": SAVE,
+    write(tmp_path, {"utils/__init__.py": "", "utils/utils.py": SAVE, "run.py": TOP_CALL,
                      "sft_train.py": "from utils.utils import save_hf_format\nsave_hf_format(m, t, a)\n"})
+    co = find_checkout(tmp_path)  # the name says supervised fine-tuning
+    assert co.rel(co.step_mains[1]) == "sft_train.py"
+    assert any(n.startswith("step 1: sft_train.py, of 2 scripts") and "--main run.py picks another" in n
+               for n in co.notes), co.notes
+    (tmp_path / "sft_train.py").rename(tmp_path / "train.py")
     with pytest.raises(DsfixError) as e:
         find_checkout(tmp_path)
-    assert "no DeepSpeed-Chat checkout" in e.value.message and "sft_train.py" in e.value.message
-    co = find_checkout(tmp_path, main=tmp_path / "sft_train.py")
-    assert (co.layout, co.rel(co.utils_path), co.rel(co.step_mains[1])) == ("fork", "utils/utils.py", "sft_train.py")
+    assert "no DeepSpeed-Chat checkout" in e.value.message and "--main train.py" in e.value.message
+    co = find_checkout(tmp_path, main=tmp_path / "train.py")
+    assert (co.layout, co.rel(co.utils_path), co.rel(co.step_mains[1])) == ("fork", "utils/utils.py", "train.py")

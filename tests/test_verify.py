@@ -270,3 +270,26 @@ def test_the_cli_shows_no_third_party_progress_bar(tmp_path, model):
     assert "%|" not in err and "Loading" not in err and "Warning" not in err, err
     assert err.rstrip().endswith("all checks hold: 311 tensors, causal LM (a Trainer's or accelerate's model, "
                                  "DeepSpeed-Chat's step-1 model or step-3 actor/EMA)")
+
+
+def test_a_fork_that_saves_safely_writes_a_folder_that_verifies(tmp_path, model, tiny_qwen3_tokenizer):
+    """fixtures/checkouts/fork-saves-safely, which check and apply leave alone: its own save_hf_format (a
+    state dict passed to save_pretrained), run on the tied narrow Qwen3, writes safetensors that verify holds,
+    with the tied weights loaded tied, as patcher.patch.safe says."""
+    import importlib.util
+    from argparse import Namespace
+
+    from smokekit import REPO
+
+    pytest.importorskip("deepspeed")  # the fixture's utils.py imports it, as DeepSpeed-Chat's does
+
+    path = REPO / "fixtures" / "checkouts" / "fork-saves-safely" / "dschat" / "utils" / "utils.py"
+    spec = importlib.util.spec_from_file_location("dsfix_fixture_saves_safely", path)
+    assert spec is not None and spec.loader is not None
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    utils.save_hf_format(model, tiny_qwen3_tokenizer, Namespace(output_dir=str(tmp_path)), sub_folder="final")
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert not list((tmp_path / "final").glob("*.bin"))
+    report = verify_folder(tmp_path / "final")
+    assert report.ok, failed(report)

@@ -4,7 +4,8 @@ A call counts when its function resolves, by Python's scoping rules, to a name i
 dotted modules that lead to the located utils.py: a bare ``save_hf_format(...)`` bound by
 ``from dschat.utils.utils import save_hf_format`` (aliases included), or an attribute chain on an
 imported module (``u.save_hf_format(...)`` after ``import dschat.utils.utils as u``). A local variable or
-parameter of the same name shadows the import, as it does when the script runs.
+parameter of the same name shadows the import, as it does when the script runs (the scopes:
+patcher.patch.scopes; what else the script can reach: patcher.patch.reach).
 
 The analysis is ``ast`` only (C speed); libcst then edits the nodes found here (patcher.patch.fixers.script),
 matched one to one by their place in the source.
@@ -15,8 +16,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from patcher.patch import imports
 from patcher.patch.names import last_name
+from patcher.patch.scopes import Binder, chain
 from patcher.patch.source import Source, statements
 
 _COMPOUND = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For, ast.AsyncFor, ast.While,
@@ -71,209 +72,7 @@ class ScriptCalls:
     unsafe: list = field(default_factory=list)  # (line, why) for each use dsfix cannot rewrite
 
 
-class _Scope:
-    def __init__(self, node, parent):
-        self.node = node
-        self.parent = parent
-        self.is_class = isinstance(node, ast.ClassDef)
-        self.bound = {}  # name -> list of qualified names of import bindings (None for other bindings)
-        self.other = {}  # name -> line of its first binding that is no import (an assignment, a def, ...)
-        self.starred = set()  # names bound by a star import
-        self.globals = set()
-        self.nonlocals = set()
-
-    def bind(self, name, qualified=None, line=None):
-        self.bound.setdefault(name, []).append(qualified)
-        if line is not None:
-            self.other.setdefault(name, line)
-
-    def resolve(self, name):
-        """The scope whose binding ``name`` refers to here (None: a builtin or undefined)."""
-        scope = self
-        if name in scope.globals:
-            return _module_of(scope) if name in _module_of(scope).bound else None
-        if name in scope.bound and name not in scope.nonlocals:
-            return scope
-        scope = scope.parent
-        while scope is not None:
-            if scope.parent is None:  # the module
-                return scope if name in scope.bound else None
-            if not scope.is_class and name in scope.bound and name not in scope.globals:
-                return scope
-            scope = scope.parent
-        return None
-
-
-def _module_of(scope):
-    while scope.parent is not None:
-        scope = scope.parent
-    return scope
-
-
-def _targets(node):
-    """Names bound by an assignment target."""
-    if isinstance(node, ast.Name):
-        yield node.id
-    elif isinstance(node, (ast.Tuple, ast.List)):
-        for elt in node.elts:
-            yield from _targets(elt)
-    elif isinstance(node, ast.Starred):
-        yield from _targets(node.value)
-
-
-class _Binder(ast.NodeVisitor):
-    """Builds the scope tree and records every binding, with the qualified name of import bindings."""
-
-    def __init__(self, module_node, star_names=()):
-        self.scopes = {id(module_node): _Scope(module_node, None)}
-        self.stack = [self.scopes[id(module_node)]]
-        self.star_names = star_names  # names a star import is taken to bind (the tracked ones)
-
-    @property
-    def scope(self):
-        return self.stack[-1]
-
-    def _enter(self, node, visit_children):
-        s = _Scope(node, self.scope)
-        self.scopes[id(node)] = s
-        self.stack.append(s)
-        visit_children()
-        self.stack.pop()
-
-    def _store(self, name, line):
-        """Bind a name assigned here, in the scope a global or nonlocal statement sends it to."""
-        scope = self.scope
-        if name in scope.globals:
-            scope = _module_of(scope)
-        elif name in scope.nonlocals:
-            outer = scope.parent
-            while outer is not None and outer.parent is not None and (outer.is_class or name not in outer.bound):
-                outer = outer.parent
-            scope = outer if outer is not None and outer.parent is not None else scope
-        scope.bind(name, None, line)
-
-    def _function(self, node):
-        self._store(node.name, node.lineno)
-        for d in node.decorator_list:
-            self.visit(d)
-        self._defaults_and_annotations(node.args)
-        if node.returns is not None:
-            self.visit(node.returns)
-
-        def inside():
-            self._params(node.args)
-            for stmt in node.body:
-                self.visit(stmt)
-
-        self._enter(node, inside)
-
-    visit_FunctionDef = visit_AsyncFunctionDef = _function
-
-    def visit_Lambda(self, node):
-        self._defaults_and_annotations(node.args)
-
-        def inside():
-            self._params(node.args)
-            self.visit(node.body)
-
-        self._enter(node, inside)
-
-    def _defaults_and_annotations(self, args):
-        for d in [*args.defaults, *[d for d in args.kw_defaults if d is not None]]:
-            self.visit(d)
-        for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
-            if a is not None and a.annotation is not None:
-                self.visit(a.annotation)
-
-    def _params(self, args):
-        for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
-            if a is not None:
-                self.scope.bind(a.arg)
-
-    def visit_ClassDef(self, node):
-        self._store(node.name, node.lineno)
-        for n in [*node.decorator_list, *node.bases, *node.keywords]:
-            self.visit(n)
-
-        def inside():
-            for stmt in node.body:
-                self.visit(stmt)
-
-        self._enter(node, inside)
-
-    def _comprehension(self, node):
-        gens = node.generators
-        self.visit(gens[0].iter)  # evaluated in the enclosing scope
-
-        def inside():
-            for i, g in enumerate(gens):
-                for name in _targets(g.target):
-                    self.scope.bind(name)
-                if i:
-                    self.visit(g.iter)
-                for cond in g.ifs:
-                    self.visit(cond)
-            for part in ("elt", "key", "value"):
-                if hasattr(node, part):
-                    self.visit(getattr(node, part))
-
-        self._enter(node, inside)
-
-    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _comprehension
-
-    def visit_Import(self, node):
-        for bound, qualified in imports.bindings(node):
-            self.scope.bind(bound, qualified)
-
-    def visit_ImportFrom(self, node):
-        for bound, qualified in imports.bindings(node):
-            self.scope.bind(bound, qualified)
-        if any(a.name == "*" for a in node.names) and node.module and not node.level:
-            for name in self.star_names:  # a star import binds what the module defines: the tracked names
-                self.scope.bind(name, f"{node.module}.{name}")
-                self.scope.starred.add(name)
-
-    def visit_Global(self, node):
-        self.scope.globals.update(node.names)
-
-    def visit_Nonlocal(self, node):
-        self.scope.nonlocals.update(node.names)
-
-    def visit_Name(self, node):
-        if isinstance(node.ctx, (ast.Store, ast.Del)):
-            self._store(node.id, node.lineno)
-
-    def visit_NamedExpr(self, node):
-        self.visit(node.value)
-        scope = self.scope
-        while isinstance(scope.node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-            scope = scope.parent
-        for name in _targets(node.target):
-            scope.bind(name, None, node.lineno)
-
-    def visit_ExceptHandler(self, node):
-        if node.name:
-            self._store(node.name, node.lineno)
-        self.generic_visit(node)
-
-    def visit_MatchAs(self, node):  # pragma: no cover - match statements in a training script are rare
-        if node.name:
-            self._store(node.name, node.lineno)
-        self.generic_visit(node)
-
-
-def _chain(func):
-    """(base Name, [attributes]) for a dotted callee, else (None, None)."""
-    attrs = []
-    while isinstance(func, ast.Attribute):
-        attrs.append(func.attr)
-        func = func.value
-    if isinstance(func, ast.Name):
-        return func, list(reversed(attrs))
-    return None, None
-
-
-class _Uses(ast.NodeVisitor):
+class Uses(ast.NodeVisitor):
     """Walks the tree with the scope stack: counts bare reads of tracked imports, finds the calls and the
     other uses (a value stored or passed on), and what dsfix cannot rewrite (``unsafe``)."""
 
@@ -352,7 +151,7 @@ class _Uses(ast.NodeVisitor):
                     self.uses.append((node, hit))
 
     def _chain_tracked(self, node):
-        base, attrs = _chain(node)
+        base, attrs = chain(node)
         if base is None:
             return None
         for q in self._qualified(base.id):
@@ -390,7 +189,7 @@ class _Uses(ast.NodeVisitor):
     def visit_Call(self, node):
         if last_name(node.func) in self.callee_names:
             self.candidates.append(node)
-            base, attrs = _chain(node.func)
+            base, attrs = chain(node.func)
             if base is not None:
                 hit = self._tracked(base.id, node.lineno) if not attrs else self._chain_tracked(node.func)
                 if hit is not None:
@@ -451,7 +250,7 @@ def find_calls(tree: ast.Module, text: str, modules, names, strings=()) -> Scrip
     """The calls in ``tree`` (parsed from ``text``) of ``names`` imported from any of the dotted ``modules``,
     and their other uses. A star import of one of the modules binds every name in ``names``. ``strings``:
     names whose appearance as a string makes the script unsafe to rewrite."""
-    binder = _Binder(tree, tuple(names))
+    binder = Binder(tree, tuple(names))
     binder.visit(tree)
     tracked = {f"{m}.{n}": n for m in modules for n in names}
     bare, aliases = set(), set()
@@ -461,7 +260,7 @@ def find_calls(tree: ast.Module, text: str, modules, names, strings=()) -> Scrip
                 aliases.add(bound)
             if any(q and (q in tracked or any(t.startswith(q + ".") for t in tracked)) for q in quals):
                 bare.add(bound)
-    uses = _Uses(binder, tree, tracked, bare, set(names) | aliases, strings)
+    uses = Uses(binder, tree, tracked, bare, set(names) | aliases, strings)
     uses.visit(tree)
     order = sorted(uses.candidates, key=lambda n: (n.lineno, n.col_offset, -n.end_lineno, -n.end_col_offset))
     index = {id(node): i for i, node in enumerate(order)}
@@ -487,85 +286,3 @@ def find_calls(tree: ast.Module, text: str, modules, names, strings=()) -> Scrip
                        _sites(tree, src, order, modules), found, sorted(set(uses.unsafe)))
 
 
-def module_reads(text: str, names) -> dict:
-    """name -> how many times the module-level binding of ``name`` is read (a local of the same name
-    shadows it, as when the code runs)."""
-    tree = ast.parse(text)
-    binder = _Binder(tree)
-    binder.visit(tree)
-    module = binder.scopes[id(tree)]
-    counts = {n: 0 for n in names}
-
-    class Reads(_Uses):
-        def visit_Name(self, node):
-            if isinstance(node.ctx, ast.Load) and node.id in counts and self.stack[-1].resolve(node.id) is module:
-                counts[node.id] += 1
-
-    Reads(binder, tree, {}, set(), set()).visit(tree)
-    return counts
-
-
-def module_routes(tree: ast.Module, text: str, modules, names) -> list:
-    """[(line, why)]: where a script can still reach the functions ``names`` of the utils module (dotted
-    ``modules``) by a route that renaming calls does not cover: the module object itself (or a package above
-    it) used as a value (passed on, stored, returned, given to getattr), an attribute ``names`` of it, or the
-    module's name in a string (``importlib.import_module``, ``sys.modules``)."""
-    if not may_reach(tree, text, modules):
-        return []
-    above = _above(modules)
-    binder = _Binder(tree)
-    binder.visit(tree)
-    routes = _Routes(binder, tree, tuple(modules), tuple(names), above)
-    routes.visit(tree)
-    return sorted(set(routes.found))
-
-
-def _above(modules) -> set:
-    """The modules and every package above them: ``dschat``, ``dschat.utils``, ``dschat.utils.utils``."""
-    return {".".join(m.split(".")[:i]) for m in modules for i in range(1, len(m.split(".")) + 1)}
-
-
-def may_reach(tree: ast.Module, text: str, modules) -> bool:
-    """Whether a script could hold a route to the module object at all: an import binds the module (or a
-    package above it), or a string names it. Renaming calls changes neither."""
-    above = _above(modules)
-    if any(q in above for node in statements(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-           for _bound, q in imports.bindings(node)):
-        return True
-    return any(f"{q}{m}{q}" in text for m in modules for q in "'\"")
-
-
-class _Routes(_Uses):
-    """Walks the tree with the scope stack (see _Uses) and records each route to the module's originals."""
-
-    def __init__(self, binder, tree, modules, names, above):
-        super().__init__(binder, tree, {}, set(), set())
-        self.modules, self.names, self.above, self.found = modules, names, above, []
-
-    def _reach(self, base: ast.Name, attrs: list, line: int) -> None:
-        for q in self._qualified(base.id):
-            if q not in self.above:
-                continue
-            full, shown = ".".join([q, *attrs]), ".".join([base.id, *attrs])
-            if full in self.above:
-                self.found.append((line, f"uses the module {shown} as a value (passed on or stored), so its "
-                                         "original save functions stay reachable"))
-            elif any(full == f"{m}.{n}" for m in self.modules for n in self.names):
-                self.found.append((line, f"{shown} still refers to the original save function"))
-
-    def visit_Attribute(self, node):
-        base, attrs = _chain(node)
-        if base is None:
-            return self.generic_visit(node)
-        if isinstance(node.ctx, ast.Load):  # the whole chain at once: its inner names are not values
-            self._reach(base, attrs, node.lineno)
-        # setting or deleting an attribute of the module passes nothing on (an original's name: calls' refusal)
-
-    def visit_Name(self, node):
-        if isinstance(node.ctx, ast.Load):
-            self._reach(node, [], node.lineno)
-
-    def visit_Constant(self, node):
-        if isinstance(node.value, str) and node.value in self.modules:
-            self.found.append((node.lineno, f"names the module {node.value} in a string (an import by name), "
-                                            "so its original save functions stay reachable"))

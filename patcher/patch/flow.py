@@ -11,11 +11,14 @@ from pathlib import Path
 
 from patcher.errors import OK, PENDING, DsfixError
 from patcher.patch import plan as planner
+from patcher.patch import safe
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
-from patcher.patch.locate import Checkout, chat_roots_below, find_checkout, find_patched, layout_of
+from patcher.patch.locate import Checkout, find_checkout, layout_of
+from patcher.patch.names import SAVE_NAMES
 from patcher.patch.plan import Status, Target
-from patcher.patch.source import Unreadable
+from patcher.patch.scan import chat_roots_below, find_patched
+from patcher.patch.source import Unreadable, parse_script
 from patcher.patch.template import check_strategy
 from patcher.report import Result
 
@@ -191,9 +194,28 @@ def _drops(co: Checkout, opts: Options, saved) -> list:
     return [saved.target(rel, _maybe_read(co.root / rel, rel)) for rel in planner.left_out(saved, opts.steps)]
 
 
+def saves_safely(co: Checkout) -> str | None:
+    """What the checkout's own saves already do, where they keep tied weights in safetensors as they are (see
+    patcher.patch.safe); None where dsfix has work to do, or has patched this checkout before."""
+    if st.record_at(co.root) is not None:
+        return None
+    data = _maybe_read(co.utils_path, co.rel(co.utils_path))
+    if data is None or b"# dsfix: template=" in data:
+        return None
+    return safe.already_safe(parse_script(data, co.rel(co.utils_path))[0], SAVE_NAMES)
+
+
+def _already_safe(verb: str, co: Checkout, what: str) -> Outcome:
+    """check and apply on a checkout whose saves need no change: no file, one line, exit 0."""
+    return Outcome(verb, co.root, co.layout, warnings=list(co.notes), message=f"nothing to do: {what}")
+
+
 def check(repo=".", strategy: str | None = None, steps=None, main=None, scripts=()) -> Outcome:
     """``strategy`` and ``steps`` None: as the last apply recorded them (see ``options``)."""
     co = find_checkout(repo, main, scripts)
+    done = saves_safely(co)
+    if done is not None:
+        return _already_safe("check", co, done)
     opts = options(co, strategy, steps)
     saved, drop = None, []
     if opts.record is not None and set(opts.record.steps) - set(opts.steps):  # steps left out: shown restored
@@ -213,6 +235,9 @@ def check(repo=".", strategy: str | None = None, steps=None, main=None, scripts=
 def apply(repo=".", strategy: str | None = None, steps=None, main=None, scripts=()) -> Outcome:
     """``strategy`` and ``steps`` None: as the last apply recorded them; what this apply used is recorded."""
     co = find_checkout(repo, main, scripts)
+    done = saves_safely(co)
+    if done is not None:
+        return _already_safe("apply", co, done)
     with st.lock(co.root):
         st.recover(co.root)
         opts = options(co, strategy, steps)
@@ -234,7 +259,7 @@ def apply(repo=".", strategy: str | None = None, steps=None, main=None, scripts=
 
 def revert(repo=".", force: bool = False, main=None, scripts=()) -> Outcome:
     """With the state folder (found at or above ``repo``), the files it records; without, a structural undo
-    of what dsfix changed, found in the files themselves (see locate.find_patched). What to do with each
+    of what dsfix changed, found in the files themselves (see scan.find_patched). What to do with each
     file, in which order, and what counts as restored is plan_revert's; here: read, then write once."""
     root = st.find_root(repo)
     co, not_a_checkout = None, None

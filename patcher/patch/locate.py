@@ -13,21 +13,19 @@ from patcher.errors import DsfixError, file_not_folder, shown
 from patcher.patch import state
 from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE_FILE, SAVE_NAMES
 from patcher.patch.resolve import resolve_script
-
-STEP_DIRS = {
-    1: "training/step1_supervised_finetuning",
-    2: "training/step2_reward_model_finetuning",
-    3: "training/step3_rlhf_finetuning",
-}
-STEP_MAIN = {step: f"{d}/main.py" for step, d in STEP_DIRS.items()}
-
-# layout name -> utils.py relative path
-LAYOUTS = {
-    "package": "dschat/utils/utils.py",
-    "legacy": "training/utils/utils.py",
-}
-CHAT_SUBDIR = "applications/DeepSpeed-Chat"
-_SKIP_DIRS = {".git", ".dsfix", ".venv", "venv", "env", "node_modules", "__pycache__", "site-packages", "build", "dist"}
+from patcher.patch.scan import (
+    CHAT_SUBDIR,
+    LAYOUTS,
+    STEP1_DIR,
+    STEP_DIRS,
+    STEP_MAIN,
+    callers,
+    chat_roots_below,
+    defines_save,
+    is_chat_root,
+    later_step,
+    step1_candidates,
+)
 
 
 @dataclass(frozen=True)
@@ -106,10 +104,6 @@ def layout_of(saved, co: "Checkout | None") -> str:
     return co.layout if co is not None else "marked"
 
 
-def _is_chat_root(d: Path) -> bool:
-    return (d / STEP_MAIN[1]).is_file() or any((d / u).is_file() for u in LAYOUTS.values())
-
-
 def _candidates(start: Path):
     for d in (start, *start.parents):
         yield d
@@ -118,12 +112,9 @@ def _candidates(start: Path):
 
 def _chat_root(start: Path) -> Path | None:
     for d in _candidates(start):
-        if d.is_dir() and _is_chat_root(d):
+        if d.is_dir() and is_chat_root(d):
             return d
     return None
-
-
-STEP1_DIR = "step1_supervised_finetuning"
 
 
 def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None = None, scripts=()) -> Checkout:
@@ -160,6 +151,10 @@ def find_checkout(repo: str | os.PathLike = ".", main: str | os.PathLike | None 
         root = _one_chat_root_below(start, repo, notes)
     if main_path is None and (root is None or not _exists(root / STEP_MAIN[1])):
         root, main_path = _step1_anywhere(root, home, notes)
+        if main_path is None:
+            main_path = one_saving_script(root or home, home, notes)
+            if main_path is not None and root is None:
+                root = home
     if root is None:
         raise _no_checkout(start, repo)
     co = _checkout_at(root, main_path, script_paths, home)
@@ -198,6 +193,37 @@ def _step1_anywhere(root: Path | None, home: Path, notes: list) -> tuple:
     return base, found[0]
 
 
+STEP1_WORDS = ("sft", "step1", "supervised")
+
+
+def one_saving_script(base: Path, home: Path, notes: list) -> Path | None:
+    """The script to take as step 1 where no step1_supervised_finetuning/main.py saves: the one script under
+    ``base`` that calls the save functions (outside the files that define them, and outside step 2's and 3's
+    folders); of several, the one whose path alone says supervised fine-tuning (STEP1_WORDS), others named
+    with the --main that picks them. None where that does not decide (the refusal then names each)."""
+    found = [p for p in callers(base, names=(*SAVE_NAMES, *PUBLIC_NAMES)) if not later_step(base, p)]
+    rels = [Path(os.path.relpath(p, home)).as_posix() for p in found]
+    if len(found) == 1:
+        notes.append(f"step 1: {rels[0]}, the one script that calls {_called(found[0])} (--main picks another)")
+        return found[0]
+    sft = [i for i, r in enumerate(rels) if any(w in r.lower() for w in STEP1_WORDS)]
+    if len(found) > 1 and len(sft) == 1:
+        others = shown([_opt("--main", r) for i, r in enumerate(rels) if i != sft[0]], sep=" or ")
+        notes.append(f"step 1: {rels[sft[0]]}, of {len(found)} scripts that call {_called(found[sft[0]])} the one "
+                     f"whose name says supervised fine-tuning ({others} picks another)")
+        return found[sft[0]]
+    return None
+
+
+def _called(path: Path) -> str:
+    """The first save function a script calls, by name (for the line that says why it is step 1)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return SAVE_NAMES[0]
+    return next((n for n in (*SAVE_NAMES, *PUBLIC_NAMES) if f"{n}(".encode() in data), SAVE_NAMES[0])
+
+
 def _no_checkout(start: Path, repo) -> DsfixError:
     found = callers(start, depth=3)
     rels = [Path(os.path.relpath(p, start)).as_posix() for p in found]
@@ -232,34 +258,6 @@ def _step1_base(start: Path) -> Path:
     return start
 
 
-def step1_candidates(base: Path, depth: int = 8, limit: int = 20000) -> list:
-    """Every step1_supervised_finetuning/main.py under ``base`` (``depth`` folders down at most) that calls
-    the save functions (or dsfix's, once patched), in a stable order. Folders are walked, files read only
-    where the name fits; ``limit`` folders at most."""
-    found, base_depth, seen = [], len(base.parts), 0
-    for d, dirs, files in os.walk(base):
-        seen += 1
-        if seen > limit:
-            break
-        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
-        path = Path(d)
-        if len(path.parts) - base_depth >= depth:
-            dirs[:] = []
-        if path.name != STEP1_DIR or "main.py" not in files:
-            continue
-        try:
-            data = (path / "main.py").read_bytes()
-        except OSError:
-            continue
-        if _calls_save(data, (*SAVE_NAMES, *PUBLIC_NAMES)):
-            found.append(path / "main.py")
-    return found
-
-
-def _calls_save(data: bytes, names) -> bool:
-    return any(f"{n}(".encode() in data for n in names) and b"def save_hf_format" not in data
-
-
 def _remembered(rec):
     """(root, step-1 script, further scripts) as an earlier apply recorded them (``rec``, a state.Record),
     when that script still exists and is not the one dsfix would find anyway; else None."""
@@ -271,43 +269,6 @@ def _remembered(rec):
     if not main.is_file() or (main == root / STEP_MAIN[1] and not scripts):
         return None
     return root, main, scripts
-
-
-def chat_roots_below(start: Path, depth: int = 4) -> list:
-    """DeepSpeed-Chat folders under ``start`` (a repository that keeps its copy a few folders down)."""
-    found, base = [], len(start.parts)
-    for d, dirs, _files in os.walk(start):
-        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
-        path = Path(d)
-        if path != start and _is_chat_root(path) and (path / STEP_MAIN[1]).is_file():
-            found.append(path)
-            dirs[:] = []
-        if len(path.parts) - base >= depth:
-            dirs[:] = []
-    return found
-
-
-def find_patched(root: Path, depth: int = 5, limit: int = 3000) -> list:
-    """[(path, role, modules)] of what an earlier apply changed under ``root``, read from the files alone (for a
-    revert without the state folder): utils.py and model_utils.py with dsfix's marker line, and every script
-    that calls dsfix's functions imported from that utils.py, wherever it is (--main and --script ones too)."""
-    marked, scripts = [], []
-    for path, data in python_files(root, depth, limit):
-        if b"# dsfix: template=" in data:
-            marked.append((path, "loader" if b"kind=loader" in data else "utils"))
-        elif any(f"{n}(".encode() in data for n in PUBLIC_NAMES):
-            scripts.append(path)
-    utils = [p for p, role in marked if role == "utils"]
-    out = [(p, "utils", ()) for p in utils[:1]] + [(p, role, ()) for p, role in marked if role == "loader"]
-    out += [(p.parent / SAVE_MODULE_FILE, "module", ()) for p in utils[:1] if (p.parent / SAVE_MODULE_FILE).is_file()]
-    for script in scripts:
-        try:
-            res = resolve_script(script, script.read_bytes(), root)
-        except (DsfixError, OSError):
-            continue
-        if utils and res.utils is not None and res.utils.resolve() == utils[0].resolve():
-            out.append((script, "script", res.modules))
-    return out
 
 
 def _given(p, option, home: Path, notes: list) -> Path:
@@ -333,32 +294,6 @@ def _given(p, option, home: Path, notes: list) -> Path:
         raise DsfixError(f"{option}: no such file", path=str(p))
     raise DsfixError(f"{option}: no such file in the checkout or the current folder; pass a path relative to "
                      "either", path=path.as_posix())
-
-
-def python_files(folder: Path, depth: int = 4, limit: int = 2000):
-    """(path, bytes) of the .py files under ``folder``, ``depth`` folders down at most, in a stable order,
-    skipping virtual environments, caches and hidden folders; ``limit`` files at most."""
-    base, seen = len(folder.parts), 0
-    for d, dirs, files in os.walk(folder):
-        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
-        if len(Path(d).parts) - base >= depth:
-            dirs[:] = []
-        for f in sorted(files):
-            if not f.endswith(".py"):
-                continue
-            seen += 1
-            if seen > limit:
-                return
-            try:
-                yield Path(d) / f, (Path(d) / f).read_bytes()
-            except OSError:
-                continue
-
-
-def callers(folder: Path, depth: int = 4, limit: int = 2000) -> list:
-    """Python files under ``folder`` that call a save function without defining save_hf_format."""
-    return [path for path, data in python_files(folder, depth, limit)
-            if any(f"{n}(".encode() in data for n in SAVE_NAMES) and b"def save_hf_format" not in data]
 
 
 def _checkout_at(root: Path, main_path: Path | None, scripts: list, home: Path | None = None) -> Checkout:
@@ -445,7 +380,7 @@ def _shadowed(root: Path, utils_path: Path) -> list:
     out = []
     for rel in LAYOUTS.values():
         other = root / rel
-        if other.is_file() and other.resolve() != utils_path.resolve():
+        if other.is_file() and other.resolve() != utils_path.resolve() and defines_save(other):
             out.append(f"step 1 imports {_rel(root, utils_path)}, which shadows {rel}: the copy step 1 really "
                        f"imports is the one patched, and {rel} is left alone")
     return out

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from patcher.errors import DsfixError, Refused
-from patcher.patch import folder, imports, keyfilter
+from patcher.patch import folder, imports, keyfilter, safe, slicer
 from patcher.patch import source as src
 from patcher.patch.names import MODULE_FUNCTIONS, RENAMES
 
@@ -116,7 +116,7 @@ def _params(fn: cst.FunctionDef) -> tuple:
 
 
 def reads(node) -> set:
-    return folder.reads(node)
+    return slicer.reads(node)
 
 
 def _body(fn: cst.FunctionDef) -> list:
@@ -127,31 +127,10 @@ def _body(fn: cst.FunctionDef) -> list:
     return body
 
 
-_SAVING = frozenset({"save", "save_file", "save_model", "save_checkpoint", "save_pretrained", "to_json_file",
-                     "save_vocabulary"})  # the calls _writes reads
-
-
 def _writes(fn: ast.FunctionDef) -> frozenset:
     """What the function saves: a subset of {"weights", "config", "tokenizer"}, read with ast (a libcst pass
     over the body costs ten times more)."""
-    out = set()
-    for node in ast.walk(fn):
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
-        method = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-        if method not in _SAVING:
-            continue
-        receiver = ast.unparse(func.value).lower() if isinstance(func, ast.Attribute) else ""
-        first = ast.unparse(node.args[0]) if node.args else ""
-        if method in ("save", "save_file", "save_model", "save_checkpoint") and "args" not in first or (
-                method == "save_pretrained" and "tokenizer" not in receiver and "config" not in receiver):
-            out.add("weights")  # (torch.save(vars(args), ...) saves the options, not weights)
-        if method == "to_json_file" or (method == "save_pretrained" and "tokenizer" not in receiver):
-            out.add("config")
-        if "tokenizer" in receiver and method in ("save_vocabulary", "save_pretrained"):
-            out.add("tokenizer")
-    return frozenset(out)
+    return frozenset().union(*(safe.written(n) for n in ast.walk(fn) if isinstance(n, ast.Call)))
 
 
 def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.FunctionDef | None = None,
@@ -176,7 +155,7 @@ def read_def(fn: cst.FunctionDef, rel: str, line: int | None, fn_ast: ast.Functi
         raise DsfixError(f"{name} saves no weights (no torch.save, save_file or save_pretrained of the model in "
                          "it): there is nothing in it for dsfix to turn into safetensors", path=rel, line=line)
     keys = _read_keys(name, fn_ast, source, names, rel)
-    other_reads = set().union(*(folder.reads(s, where.carried) for s in body)) if body else set()
+    other_reads = set().union(*(slicer.reads(s, where.carried) for s in body)) if body else set()
     other_reads -= keys.params  # read by the key test, which dsfix's save carries
     passed, notes = _passed(name, params, positional[0].name, set(where.reads), other_reads, rel, line)
     _check_rank(name, fn, dict(passed), rel, line)

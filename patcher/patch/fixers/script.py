@@ -14,7 +14,7 @@ from typing import Sequence
 import libcst as cst
 
 from patcher.errors import DsfixError
-from patcher.patch import calls, imports, signature
+from patcher.patch import calls, imports, reach, signature
 from patcher.patch.fixers.base import Context, Fixer, Patched, Target
 from patcher.patch.imports import alias_name, bound_name, from_module, from_names
 from patcher.patch.names import NEW_NAMES, RENAMES, SAVE_NAMES, last_name
@@ -287,10 +287,10 @@ class ScriptFixer(Fixer):
 
     def guard(self, target: Target, new: bytes, ctx: Context) -> None:
         tree, decoded = parse_script(target.content, target.rel)  # the imports, which the rename leaves as they bind
-        if not calls.may_reach(tree, decoded.text, target.modules):
+        if not reach.may_reach(tree, decoded.text, target.modules):
             return
         tree, decoded = parse_script(new, target.rel)
-        routes = calls.module_routes(tree, decoded.text, target.modules, SAVE_NAMES)
+        routes = reach.module_routes(tree, decoded.text, target.modules, SAVE_NAMES)
         if routes:
             line, why = routes[0]
             more = f" (and {len(routes) - 1} more)" if len(routes) > 1 else ""

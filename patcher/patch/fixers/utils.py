@@ -23,7 +23,7 @@ import tokenize
 import libcst as cst
 
 from patcher.errors import DsfixError
-from patcher.patch import calls, imports, signature
+from patcher.patch import imports, reach, signature
 from patcher.patch.fixers.base import (
     PLACEHOLDER,
     Context,
@@ -221,7 +221,7 @@ def _orphans(before: _File, after: _File) -> tuple:
     read, the names dropped)."""
     bound = {b: i for i, node in enumerate(after.body) if isinstance(node, (ast.Import, ast.ImportFrom))
              and not any(a.name == "*" for a in node.names) for b, _q in imports.bindings(node)}
-    used_before, used_after = calls.module_reads(before.text, bound), calls.module_reads(after.text, bound)
+    used_before, used_after = reach.module_reads(before.text, bound), reach.module_reads(after.text, bound)
     dropped = sorted(b for b in bound if used_before[b] > 0 and used_after[b] == 0)
     by_statement: dict[int, set[str]] = {}
     for b in dropped:
