@@ -6,7 +6,6 @@ Multi-rank runs use real DeepSpeed engines on its CPU accelerator with gloo, sta
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
