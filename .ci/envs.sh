@@ -61,7 +61,6 @@ case "$which_env" in
            tests/test_save_module_ranks.py::test_zero0_save_and_fallback
            tests/test_smoke.py tests/test_verify.py
            tests/test_cli_model.py::test_demo_passes tests/test_cli_model.py::test_smoke_exit_codes
-           --deselect tests/test_smoke.py::test_full_qwen3_0_6b_config_in_process  # the demo runs that config
            --deselect tests/test_smoke.py::test_passes_under_zero3_with_two_ranks
            --deselect tests/test_smoke.py::test_fails_on_the_article_save_under_zero3
            --deselect tests/test_verify.py::test_fails_on_zero3_placeholders)
@@ -74,8 +73,7 @@ case "$which_env" in
       install python -m pip install -q -e '.[smoke]' 'transformers>=5,<6' 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2'
     }
     tests=(tests/test_versions.py tests/test_save_module.py tests/test_smoke.py tests/test_verify.py tests/test_convert.py
-           tests/test_cli_model.py
-           --deselect tests/test_smoke.py::test_full_qwen3_0_6b_config_in_process)  # test_demo_passes runs it
+           tests/test_cli_model.py)
     ;;
   *)
     echo "usage: .ci/envs.sh floor|newest" >&2

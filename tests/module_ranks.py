@@ -1,12 +1,16 @@
-"""One rank of tests/test_save_module_ranks.py: the save module under a real DeepSpeed engine, steps in order.
+"""One rank of tests/test_save_module_ranks.py: the save module under real DeepSpeed engines, runs in order.
 
-Launched by the ``deepspeed`` launcher on CPU ranks (gloo). Builds the narrow Qwen3 (tied embeddings),
-wraps it in an engine at ``--zero_stage``, trains two steps, writes the reference (the whole state dict,
-gathered, and the logits of a fixed batch) to ``WORK/ref/reference.pt``, then runs ``--steps`` in order,
-each into ``WORK/<step>``, the way DeepSpeed-Chat's step 1 saves::
+Launched by the ``deepspeed`` launcher on CPU ranks (gloo). ``--runs`` is a JSON list of runs, each done in
+turn in this one process (one launch for all of them): it builds the narrow Qwen3 (tied embeddings), wraps it
+in an engine at its ``zero_stage``, trains two steps, writes the reference (the whole state dict, gathered, and
+the logits of a fixed batch) to ``WORK/NAME/ref/reference.pt``, then runs its ``steps`` in order, each into
+``WORK/NAME/<step>``, the way DeepSpeed-Chat's step 1 saves::
 
     if rank == 0: save_hf_format(model, tokenizer, folder)          # under ZeRO-3 this writes nothing
     if zero_stage == 3: save_zero_three_model(model, folder, global_rank=rank, zero_stage=3)
+
+Each rank prints ``[ranks] run NAME`` as a run begins and ``[ranks] run NAME done`` once every rank has done all
+its steps (the tests read each run's part of a rank's log between the two).
 
 Steps (each prints ``[ranks] STEP on rank R: ok|failed: ERROR; gathers N``; fallback and killed first print
 the files of the previous save they start from, ``[ranks] STEP before: {name: [sha256, inode]}``):
@@ -15,10 +19,11 @@ the files of the previous save they start from, ``[ranks] STEP before: {name: [s
   misused     zero_stage=0 passed under ZeRO-3: rank 0 writes without gathering
   fallback    WeightWriter.write fails on rank 0 (injected) in a folder holding a copy of save/
   nan         one weight set to NaN (on every rank), then the save
-  killed      rank 1 dies in its fifth gather (0.3 MB buckets), in a folder holding a copy of save/ (the last step: the
-              launcher then stops every rank)
+  killed      rank 1 dies in its fifth gather (0.3 MB buckets), in a folder holding a copy of save/ (the last step of
+              the last run: the launcher then stops every rank)
 """
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -41,17 +46,24 @@ def say(line):
     print(line + "\n", end="", flush=True)  # one write: the other rank's lines cannot cut into it
 
 
+# a run's settings, where its JSON leaves them out
+RUN_DEFAULTS = {"zero_stage": 3, "dtype": "fp32", "strategy": "clone", "max_shard_size": None,
+                "persistence_threshold": 0, "steps": ["save"]}
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", required=True)
-    parser.add_argument("--zero_stage", type=int, default=3)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--strategy", default="clone")
-    parser.add_argument("--max_shard_size", type=int, default=None)
-    parser.add_argument("--persistence_threshold", type=float, default=0)
-    parser.add_argument("--steps", default="save")
+    parser.add_argument("--runs", required=True, help='JSON: [{"name": ..., "zero_stage": ..., "steps": [...]}, ...]')
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args()
+
+
+def runs(args):
+    """Each run's settings as a namespace (``work``: its own folder under ``--work``)."""
+    for run in json.loads(args.runs):
+        settings = dict(RUN_DEFAULTS, **run)
+        yield argparse.Namespace(work=os.path.join(args.work, run["name"]), **settings)
 
 
 class Gathers:
@@ -81,8 +93,6 @@ class Gathers:
 def build(args):
     import deepspeed
 
-    skip_shm_allreduce()
-    deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = tiny_qwen3_model(seed=1234).train()
     config = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * world, "gradient_accumulation_steps": 1,
@@ -202,15 +212,25 @@ def main():
     args = parse_args()
     import deepspeed
 
-    engine, rank = build(args)
+    skip_shm_allreduce()
+    deepspeed.init_distributed()
     gathers = Gathers(deepspeed)
-    write_reference(engine, rank, os.path.join(args.work, "ref"))
     tokenizer = tiny_qwen3_tokenizer()
-    for step in args.steps.split(","):
-        run_step(step, engine, tokenizer, rank, args, gathers)
-    torch.distributed.barrier()
-    if rank == 0:
-        say("[ranks] " + json.dumps({"world_size": torch.distributed.get_world_size(), "zero_stage": args.zero_stage}))
+    for run in runs(args):
+        say(f"[ranks] run {run.name}")
+        engine, rank = build(run)
+        write_reference(engine, rank, os.path.join(run.work, "ref"))
+        for step in run.steps:
+            run_step(step, engine, tokenizer, rank, run, gathers)
+        torch.distributed.barrier()
+        if rank == 0:
+            world = torch.distributed.get_world_size()
+            say("[ranks] " + json.dumps({"world_size": world, "zero_stage": run.zero_stage}))
+        say(f"[ranks] run {run.name} done")
+        if hasattr(engine, "destroy"):  # its hooks and partitions go before the next run builds another
+            engine.destroy()
+        del engine
+        gc.collect()
     end_rank()
 
 

@@ -75,6 +75,8 @@ def test_demo_passes(tmp_path):
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     assert b"demo passed" in p.stderr and b"311 tensors" in p.stderr
     err = p.stderr.decode()
+    # the bundled full Qwen3-0.6B config (596M parameters), built in bf16: the one run of it in the suite
+    assert re.search(r"dsfix smoke: ZeRO-0, 1 rank\(s\), cpu, bf16", err), err[-3000:]
     functions_row = " ".join(w for w in err.split() if w != "│")  # the table's cells, their words in a row
     assert "with ast (it imports DeepSpeed, which a save without an engine does not need)" in functions_row
     assert "warning" not in err.lower() and "Loading weights" not in err

@@ -1,10 +1,12 @@
 """The save module under real DeepSpeed engines on 2 CPU ranks (gloo), through the deepspeed launcher.
 
 tests/module_ranks.py trains the narrow Qwen3 two steps on each rank, then saves as DeepSpeed-Chat's step 1
-does, with the module's two functions, once per step named on its command line. Three launches (about 30 s
-each on 2 cores): ZeRO-3 (the save, gather sizes, a misuse, the fallback, NaN, a rank that dies), ZeRO-3
-in bf16 with dedupe and shards, and ZeRO-0 (the save and the fallback). Last, the session's one ZeRO-3 run of
-a fixture checkout patched by `dsfix apply` (conftest's zero3_patched_run, shared with other tests).
+does, with the module's two functions, once per step named on its command line. Three runs in one launch
+(RUNS: the module's fixture starts the runs the selected tests read, each building its own engine, so that
+the ranks start and import DeepSpeed once): ZeRO-0 (the save and the fallback), ZeRO-3 in bf16 with dedupe
+and shards, and ZeRO-3 (the save, gather sizes, a misuse, the fallback, NaN, a rank that dies: last, since the
+launcher then stops every rank). Last, the session's one ZeRO-3 run of a fixture checkout patched by `dsfix
+apply` (conftest's zero3_patched_run, shared with other tests).
 """
 import hashlib
 import json
@@ -26,10 +28,53 @@ DRIVER = REPO / "tests" / "module_ranks.py"
 QWEN3_KEYS = 311
 
 
-def launch(work, zero_stage, steps, *extra):
-    """deepspeed --num_gpus 2 module_ranks.py ...: a smokekit.Launch."""
-    work.mkdir(exist_ok=True)
-    return launch_ranks(DRIVER, ["--work", work, "--zero_stage", zero_stage, "--steps", ",".join(steps), *extra])
+# Which run of the one launch each test reads, in the order they run: the last one's rank 1 dies on purpose.
+RUNS = {
+    "test_zero0_save_and_fallback": {"name": "zero0", "zero_stage": 0, "steps": ["save", "fallback"]},
+    "test_zero3_bf16_dedupe_in_shards": {"name": "bf16", "zero_stage": 3, "dtype": "bf16", "strategy": "dedupe",
+                                         "max_shard_size": 400000, "persistence_threshold": 1e4, "steps": ["save"]},
+    "test_zero3_save_gathers_fallback_nan_and_a_rank_that_dies": {
+        "name": "zero3", "zero_stage": 3, "steps": ["save", "one", "small", "misused", "fallback", "nan", "killed"]},
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """(work folder, smokekit.Launch): one launch of module_ranks.py for the runs the selected tests of this module
+    read (the floor environment selects ZeRO-0's alone)."""
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    work = tmp_path_factory.mktemp("module-ranks")
+    runs = [run for test, run in RUNS.items() if test in selected]
+    return work, launch_ranks(DRIVER, ["--work", work, "--runs", json.dumps(runs)])
+
+
+class Part:
+    """One run's part of a launch: each rank's lines from its ``[ranks] run NAME`` to the next run's first line."""
+
+    def __init__(self, launch, name):
+        self.launch, self.name = launch, name
+        self.output = "".join(self.section(launch.logs[rank], name) for rank in sorted(launch.logs))
+        self.done = self.output.count(f"[ranks] run {name} done\n") == launch.nprocs
+
+    @staticmethod
+    def section(log, name):
+        lines, keep = [], False
+        for line in log.splitlines(keepends=True):
+            if line.startswith("[ranks] run ") and not line.rstrip().endswith(" done"):
+                keep = line.rstrip() == f"[ranks] run {name}"
+            if keep:
+                lines.append(line)
+        return "".join(lines)
+
+    def report(self):
+        return self.launch.report()
+
+
+def part(launched, test):
+    """(this test's run folder, its Part of the launch)."""
+    work, launch = launched
+    name = RUNS[test]["name"]
+    return work / name, Part(launch, name)
 
 
 def outcome(run, step, rank):
@@ -99,11 +144,12 @@ def check_fallback(folder, previous, ref):
     assert all(torch.equal(converted[k], v) for k, v in ref["state_dict"].items())
 
 
-def test_zero3_save_gathers_fallback_nan_and_a_rank_that_dies(tmp_path):
-    steps = ["save", "one", "small", "misused", "fallback", "nan", "killed"]
-    run = launch(tmp_path, 3, steps)
+def test_zero3_save_gathers_fallback_nan_and_a_rank_that_dies(launched):
+    tmp_path, run = part(launched, "test_zero3_save_gathers_fallback_nan_and_a_rank_that_dies")
     output = run.output
-    assert run.code != 0 and not run.finished, "rank 1 dies in the last step: the launcher stops every rank and fails"
+    launch = launched[1]
+    assert launch.code != 0 and not launch.finished and not run.done, \
+        "rank 1 dies in the last step: the launcher stops every rank and fails"
     assert "[ranks] ZeRO-3: 310 of 310 parameters partitioned before saving" in output, run.report()
     ref = reference(tmp_path)
 
@@ -147,20 +193,19 @@ def test_zero3_save_gathers_fallback_nan_and_a_rank_that_dies(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path / "killed") if n.startswith(".")) == []
 
 
-def test_zero3_bf16_dedupe_in_shards(tmp_path):
+def test_zero3_bf16_dedupe_in_shards(launched):
     """DeepSpeed-Chat's persistence threshold, 1e4: small parameters stay whole, the embedding is gathered."""
-    run = launch(tmp_path, 3, ["save"], "--dtype", "bf16", "--strategy", "dedupe", "--max_shard_size", "400000",
-                 "--persistence_threshold", "1e4")
-    assert run.ok, run.report()
+    tmp_path, run = part(launched, "test_zero3_bf16_dedupe_in_shards")
+    assert run.done, run.report()
     assert "[ranks] ZeRO-3: 1 of 310 parameters partitioned before saving" in run.output, run.report()
     assert "[dsfix] verified 310 tensors" in run.output, run.report()
     check_folder(tmp_path / "save", reference(tmp_path), QWEN3_KEYS - 1, torch.bfloat16)
     assert len([n for n in os.listdir(tmp_path / "save") if n.startswith("model-")]) > 1
 
 
-def test_zero0_save_and_fallback(tmp_path):
-    run = launch(tmp_path, 0, ["save", "fallback"])
-    assert run.ok, run.report()
+def test_zero0_save_and_fallback(launched):
+    tmp_path, run = part(launched, "test_zero0_save_and_fallback")
+    assert run.done, run.report()
     assert outcome(run, "save", 0) == ("ok", 0)
     assert "ZeRO-3 parameters are partitioned" not in run.output
     ref = reference(tmp_path)
