@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,9 @@ ENV = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "PY_COLOR
 LOGS = {"setup.log", "smoke.log", "step1.log", "engine.log", "bench.log", "summary.md", "summary.json"}
 
 
-def run(*args, timeout=60):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+def run(*args, timeout=60, env=None):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=dict(ENV, **(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def one_line_error(p, needle):
@@ -38,11 +37,13 @@ def test_cuda_without_a_gpu_is_one_line_exit_2_and_no_row(tmp_path):
     if not no_gpu_driver():
         pytest.skip("this machine has a GPU driver")
     out = tmp_path / "out"
-    started = time.monotonic()
-    p = run(out, "--device", "cuda")
+    # refused before torch is imported: here an import of torch fails, and the refusal is the same one line
+    hide = tmp_path / "no-torch"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None  # an import of torch fails\n")
+    p = run(out, "--device", "cuda", env={"PYTHONPATH": str(hide)})
     one_line_error(p, "--device cuda, but this machine has no GPU driver")
     assert not out.exists()  # no table, so no row that could read as passed
-    assert time.monotonic() - started < 20  # refused before torch or anything else is imported
 
 
 def test_cuda_is_the_default_device(tmp_path):
@@ -194,9 +195,7 @@ def test_device_check_passes_on_the_cpu(tmp_path):
     figures the GPU run must show (311 tensors, every tensor bit-equal), seven files in OUT_DIR."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "out"
-    started = time.monotonic()
     p = run(out, "--device", "cpu", "--work", tmp_path / "work", timeout=600)
-    seconds = time.monotonic() - started
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:] + stage_tails(out)
     assert {f.name for f in out.iterdir()} == LOGS
     summary = json.loads((out / "summary.json").read_text())
@@ -216,7 +215,6 @@ def test_device_check_passes_on_the_cpu(tmp_path):
     assert summary["facts"]["step-1 trainer"].startswith("dsfix's step-1-like trainer")
     table = (out / "summary.md").read_text()
     assert "| step 1 ZeRO-3 | pass |" in table and table.rstrip().endswith("all rows pass")
-    assert seconds < 240, "the CPU form took %.0f s" % seconds
 
 
 def test_dsfix_laid_out_as_its_wheel_where_it_is_not_installed(tmp_path):
