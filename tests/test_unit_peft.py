@@ -7,27 +7,78 @@ import math
 
 import pytest
 
-from patcher.checkpoint.readers.peft import adapter_name, read_adapter_config, saved_name
+from patcher.checkpoint.readers.peft import adapter_name, adapter_text, read_adapter_config
 from patcher.checkpoint.steps.merge import refusal, scaling
 from patcher.errors import DsfixError
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
 
-SAVED_NAMES = [  # (the engine's parameter name, the adapter, what PEFT's get_peft_model_state_dict saves it as)
-    (f"{Q}.lora_A.default.weight", "default", f"{Q}.lora_A.weight"),
-    (f"{Q}.lora_B.default.weight", "default", f"{Q}.lora_B.weight"),
-    (f"{Q}.lora_A.sft.weight", "sft", f"{Q}.lora_A.weight"),
-    ("base_model.model.model.embed_tokens.modules_to_save.default.weight", "default",
-     "base_model.model.model.embed_tokens.weight"),
-    ("base_model.model.lm_head.modules_to_save.default.weight", "default", "base_model.model.lm_head.weight"),
-    ("base_model.model.model.embed_tokens.lora_embedding_A.default", "default",
+LAYER = "base_model.model.model.layers.0"
+LORA_Q = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+SAVED_NAMES = [  # (adapter_config.json, a parameter of the PEFT model, the name PEFT's get_peft_model_state_dict saves)
+    (LORA_Q, f"{Q}.lora_A.default.weight", f"{Q}.lora_A.weight"),
+    ({**LORA_Q, "use_dora": True}, f"{Q}.lora_magnitude_vector.default.weight", f"{Q}.lora_magnitude_vector"),
+    ({**LORA_Q, "lora_bias": True}, f"{Q}.lora_B.default.bias", f"{Q}.lora_B.bias"),
+    ({**LORA_Q, "rank_pattern": {"q_proj": 8}, "alpha_pattern": {"q_proj": 4}}, f"{Q}.lora_B.default.weight",
+     f"{Q}.lora_B.weight"),
+    ({**LORA_Q, "target_modules": ["embed_tokens"]}, "base_model.model.model.embed_tokens.lora_embedding_A.default",
      "base_model.model.model.embed_tokens.lora_embedding_A"),
+    ({**LORA_Q, "modules_to_save": ["lm_head"], "ensure_weight_tying": True},
+     "base_model.model.model.embed_tokens.modules_to_save.default.weight",
+     "base_model.model.model.embed_tokens.weight"),
+    ({**LORA_Q, "modules_to_save": ["lm_head"], "ensure_weight_tying": True},
+     "base_model.model.lm_head.modules_to_save.default.weight", "base_model.model.lm_head.weight"),
+    ({"peft_type": "IA3", "target_modules": ["q_proj"], "feedforward_modules": []}, f"{Q}.ia3_l.default",
+     f"{Q}.ia3_l"),
+    ({"peft_type": "LOHA", "target_modules": ["q_proj"]}, f"{Q}.hada_w1_a.default", f"{Q}.hada_w1_a"),
 ]
 
 
-@pytest.mark.parametrize("name, adapter, saved", SAVED_NAMES)
-def test_the_name_peft_saves(name, adapter, saved):
-    assert saved_name(name, adapter) == saved
+@pytest.fixture(scope="module")
+def tiny_config(tiny_qwen3_helper):
+    """The narrow Qwen3's config with one layer: PEFT models of it are built on the meta device."""
+    return tiny_qwen3_helper.tiny_qwen3_config(num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("config, name, saved", SAVED_NAMES)
+def test_the_name_peft_saves_comes_from_peft(tiny_config, config, name, saved):
+    """Each trained parameter of the PEFT model, by name, to the name PEFT's own state dict gives it; every trained
+    parameter has one."""
+    pytest.importorskip("peft")
+    from patcher.checkpoint.check.adapter import peft_model, saved_names
+
+    model = peft_model(config, tiny_config)
+    names = saved_names(model)
+    assert names[name] == saved
+    assert {n for n, p in model.named_parameters() if p.requires_grad} <= set(names)
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 4, "task_type": "CAUSAL_LM"},
+     "refused: a PEFT PREFIX_TUNING adapter (prompt learning)"),
+    ({"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 4, "task_type": "CAUSAL_LM"},
+     "refused: a PEFT PROMPT_TUNING adapter (prompt learning)"),
+    ({"peft_type": "NOT_A_METHOD"}, "peft_type 'NOT_A_METHOD' is not one this PEFT knows"),
+])
+def test_a_peft_type_without_renamed_parameters_is_refused_in_one_line(tiny_config, config, words):
+    pytest.importorskip("peft")
+    from patcher.checkpoint.check.adapter import peft_model, saved_names
+
+    with pytest.raises(DsfixError) as info:
+        saved_names(peft_model(config, tiny_config))
+    assert words in info.value.message and "\n" not in info.value.message and len(info.value.message) <= 200
+
+
+@pytest.mark.parametrize("config, text", [
+    (LORA_Q, "PEFT LoRA, r 4, lora_alpha 8"),
+    ({**LORA_Q, "use_dora": True, "use_rslora": True}, "PEFT LoRA (DoRA, rsLoRA), r 4, lora_alpha 8"),
+    ({**LORA_Q, "rank_pattern": {"q_proj": 8}, "alpha_pattern": {"v_proj": 2}},
+     "PEFT LoRA, r 4, lora_alpha 8, rank_pattern q_proj: 8, alpha_pattern v_proj: 2"),
+    ({**LORA_Q, "lora_bias": True, "bias": "all"}, "PEFT LoRA, r 4, lora_alpha 8, lora_bias, bias all"),
+    ({"peft_type": "IA3"}, "PEFT IA3"),
+])
+def test_the_adapter_is_described_with_its_options(config, text):
+    assert adapter_text(config) == text
 
 
 @pytest.mark.parametrize("names, expected", [
@@ -38,10 +89,10 @@ def test_the_name_peft_saves(name, adapter, saved):
 ])
 def test_the_one_adapter_of_the_run(names, expected):
     if " " not in expected:
-        assert adapter_name(names) == expected
+        assert adapter_name(names, LORA) == expected
         return
     with pytest.raises(DsfixError) as info:
-        adapter_name(names)
+        adapter_name(names, LORA)
     assert expected in info.value.message and info.value.message.startswith("refused:")
 
 
@@ -91,30 +142,37 @@ def test_the_merge_scales_as_peft_does(r, alpha, rslora, expected):
 
 
 @pytest.mark.slow
-def test_a_peft_runs_engine_files_read_as_the_adapter_peft_saves(tmp_path):
-    """The trained parameters under PEFT's saved names, in the dtype the module held them (a ZeRO-3 placeholder's),
-    the tied modules_to_save copy an alias of its partner, the base model's own tie left out."""
+def test_a_peft_runs_engine_files_read_as_the_adapter_peft_saves(tmp_path, tiny_config):
+    """The trained parameters under PEFT's saved names (from PEFT: DoRA's magnitude without .weight), in the dtype
+    the module held them (a ZeRO-3 placeholder's), the tied modules_to_save copy an alias of its partner, the base
+    model's own tie left out."""
     torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
     from collections import OrderedDict
 
     import ckptkit
+    from patcher.checkpoint.check.adapter import peft_model, saved_names
     from patcher.checkpoint.readers import open_step
     from patcher.checkpoint.readers.peft import PeftRun
 
     emb = "base_model.model.model.embed_tokens"
     trained = OrderedDict([(f"{Q}.lora_A.default.weight", ckptkit.value("a", (4, 64))),
                            (f"{Q}.lora_B.default.weight", ckptkit.value("b", (64, 4))),
+                           (f"{Q}.lora_magnitude_vector.default.weight", ckptkit.value("m", (64,))),
                            (f"{emb}.modules_to_save.default.weight", ckptkit.value("e", (512, 64)))])
     shared = {"base_model.model.lm_head.modules_to_save.default.weight": f"{emb}.modules_to_save.default.weight",
               "base_model.model.lm_head.weight": f"{emb}.weight"}  # the base's own tie: not the adapter's
     root = ckptkit.write_engine(tmp_path / "ckpt", trained, stage=3, shared=shared, precision="bf16")
-    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
-    with PeftRun(open_step(root / "global_step1"), config, root) as reader:
-        assert list(reader.tensors) == [f"{Q}.lora_A.weight", f"{Q}.lora_B.weight", f"{emb}.weight"]
+    config = {**LORA_Q, "use_dora": True, "modules_to_save": ["lm_head"], "ensure_weight_tying": True}
+    names = saved_names(peft_model(config, tiny_config))
+    with PeftRun(open_step(root / "global_step1"), config, root, names) as reader:
+        assert list(reader.tensors) == [f"{Q}.lora_A.weight", f"{Q}.lora_B.weight", f"{Q}.lora_magnitude_vector",
+                                        f"{emb}.weight"]
         assert {h.dtype for h in reader.tensors.values()} == {torch.bfloat16}
         assert reader.aliases == {"base_model.model.lm_head.weight": f"{emb}.weight"}
+        assert "a PEFT LoRA (DoRA), r 4, lora_alpha 8 adapter (4 tensors)" in reader.describe()
         got = reader.read(reader.tensors)
-    assert all(torch.equal(got[saved_name(n, "default")], t.to(torch.bfloat16)) for n, t in trained.items())
+    assert all(torch.equal(got[names[n]], t.to(torch.bfloat16)) for n, t in trained.items())
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from patcher.checkpoint.readers.peft import (
     ADAPTER_BIN,
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    adapter_text,
     base_folder,
     read_adapter_config,
 )
@@ -46,15 +47,49 @@ def base_config(config: dict, base: Optional[Path]) -> tuple[Any, Check]:
     return None, Check("base", False, f"{ADAPTER_CONFIG}'s base_model_name_or_path: {where}; pass --base BASE_DIR")
 
 
-def peft_model(config: dict, cfg: Any) -> Any:
-    """The PEFT model of ``config`` (adapter_config.json) on the base built from ``cfg``, on the meta device."""
+def peft_config(config: dict) -> Any:
+    """PEFT's own config class of ``config`` (adapter_config.json), as ``PeftConfig.from_pretrained`` builds it; a
+    DsfixError names a PEFT type this PEFT does not know."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    kind = str(config.get("peft_type", "")).upper()
+    klass = PEFT_TYPE_TO_CONFIG_MAPPING.get(kind)
+    if klass is None:
+        raise DsfixError(f"{ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r} is not one this PEFT knows")
+    return klass(**{k: v for k, v in config.items() if k in klass.__dataclass_fields__})
+
+
+def peft_model(config: dict, cfg: Any, dtype: Any = None, adapter: str = "default") -> Any:
+    """The PEFT model of ``config`` (adapter_config.json) on the base built from ``cfg`` (in ``dtype``, else the
+    default), on the meta device, as ``get_peft_model`` builds it (the adapter named ``adapter``)."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    lora = LoraConfig(**{k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__})
+    kwargs = {"torch_dtype": dtype} if dtype is not None else {}
     with torch.device("meta"):
-        return get_peft_model(AutoModelForCausalLM.from_config(cfg), lora)
+        return get_peft_model(AutoModelForCausalLM.from_config(cfg, **kwargs), peft_config(config), adapter)
+
+
+def saved_names(model: Any, adapter: str = "default") -> dict:
+    """{the PEFT model's state-dict key: the name PEFT's own ``get_peft_model_state_dict`` saves it under}, read
+    from PEFT itself (each key given a tensor of its own, then followed by identity through PEFT's renames). A
+    DsfixError names a PEFT type whose saved tensors are computed (prompt learning), not renamed parameters."""
+    import torch
+    from peft import get_peft_model_state_dict
+
+    config = model.peft_config[adapter]
+    if config.is_prompt_learning:
+        raise DsfixError(f"refused: a PEFT {config.peft_type.value} adapter (prompt learning) saves tensors computed "
+                         "from its prompt encoder, not renamed parameters; dsfix reads adapters of parameters")
+    state = {k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+    owner = {id(v): k for k, v in state.items()}
+    saved = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
+    computed = [k for k, v in saved.items() if id(v) not in owner]
+    if computed:
+        raise DsfixError(f"refused: a PEFT {config.peft_type.value} adapter saves {examples(computed)}, "
+                         "computed from its model rather than a parameter; dsfix reads adapters of parameters")
+    return {owner[id(v)]: k for k, v in saved.items()}
 
 
 def adapter_model(folder: Path, base: Optional[Path] = None, config: Optional[dict] = None) -> Model:
@@ -66,8 +101,7 @@ def adapter_model(folder: Path, base: Optional[Path] = None, config: Optional[di
         raise DsfixError(f"no {ADAPTER_CONFIG}: not a PEFT adapter folder", path=str(folder))
     require_peft("a PEFT adapter's checks")
     targets = config.get("target_modules")
-    detail = (f"PEFT {config.get('peft_type')}, r {config.get('r')}, lora_alpha {config.get('lora_alpha')}, targets "
-              f"{examples(sorted(targets)) if isinstance(targets, list) else targets}")
+    detail = f"{adapter_text(config)}, targets {examples(sorted(targets)) if isinstance(targets, list) else targets}"
     cfg, base_row = base_config(config, base)
     model = Model(cfg, Check("config", True, detail), None, None, None, ADAPTER, config, base_row)
     if cfg is None:
@@ -77,7 +111,8 @@ def adapter_model(folder: Path, base: Optional[Path] = None, config: Optional[di
 
         state = get_peft_model_state_dict(peft_model(config, cfg))
         shapes = {k: tuple(int(d) for d in v.shape) for k, v in state.items()}
-        return model._replace(expected=Expected(shapes, [], f"PEFT LoRA on {type(cfg).__name__}", None))
+        built = f"PEFT {config.get('peft_type')} on {type(cfg).__name__}"
+        return model._replace(expected=Expected(shapes, [], built, None))
     except Exception as e:
         why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         return model._replace(failed=Check("keys", False, f"cannot build the adapter of {ADAPTER_CONFIG} on its base "

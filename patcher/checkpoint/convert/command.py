@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from patcher.checkpoint.convert.peft import peft_run
 from patcher.checkpoint.convert.peft import reader_of as peft_reader_of
 from patcher.checkpoint.convert.report import (
     BIN_ALONE,
@@ -148,7 +149,7 @@ def convert_checkpoint(path, config, *, output=None, tag: Optional[str] = None, 
     model, or a PEFT run's adapter (merged into its base with ``merge``)."""
     from patcher.checkpoint.quiet import quiet
     from patcher.checkpoint.readers import open_step
-    from patcher.checkpoint.readers.peft import PeftRun, read_adapter_config
+    from patcher.checkpoint.readers.peft import read_adapter_config
     from patcher.checkpoint.steps import lora
 
     chosen = choose_checkpoint(path, tag) or Chosen(Path(path), tag, "")
@@ -163,7 +164,8 @@ def convert_checkpoint(path, config, *, output=None, tag: Optional[str] = None, 
         source = open_step(step, step_tag)
         if peft is not None:
             adapter = read_adapter_config(peft) or {}
-            reader, model, config = peft_reader_of(PeftRun(source, adapter, peft), adapter, peft, base, merge)
+            run, model = peft_run(source, adapter, peft, base)
+            reader, model, config = peft_reader_of(run, adapter, peft, base, merge, model)
         else:
             model = _config_model(source, config, own)
             reader = lora.fused(source, lora_scaling, keep_lora)
