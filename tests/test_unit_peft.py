@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
 from patcher.checkpoint.readers.peft import adapter_name, adapter_text, read_adapter_config
-from patcher.checkpoint.steps.merge import refusal, scaling
 from patcher.errors import DsfixError
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
@@ -115,29 +113,6 @@ def test_reading_adapter_config(tmp_path, content, expected):
 LORA = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "bias": "none"}
 
 
-@pytest.mark.parametrize("changes, refused", [
-    ({}, None),
-    ({"peft_type": "IA3"}, "a PEFT IA3 adapter"),
-    ({"use_dora": True}, "DoRA"),
-    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
-    ({"rank_pattern": {"q_proj": 16}}, "per-module ranks or alphas"),
-    ({"alpha_pattern": {"q_proj": 32}}, "per-module ranks or alphas"),
-    ({"lora_bias": True}, "LoRA biases"),
-    ({"bias": "all"}, "bias='all'"),
-    ({"modules_to_save": ["model.embed_tokens"], "use_rslora": True}, None),
-])
-def test_what_the_merge_refuses(changes, refused):
-    why = refusal({**LORA, **changes})
-    assert why == refused if refused is None else refused in why
-
-
-@pytest.mark.parametrize("r, alpha, rslora, expected", [
-    (8, 16, False, 2.0), (4, 8, False, 2.0), (16, 16, True, 4.0), (3, 1, False, 1 / 3), (2, 8, True, 8 / math.sqrt(2)),
-])
-def test_the_merge_scales_as_peft_does(r, alpha, rslora, expected):
-    assert scaling({"r": r, "lora_alpha": alpha, "use_rslora": rslora}) == expected
-
-
 # ----------------------------------------------------------------------------- on tensors (torch, PEFT)
 
 
@@ -175,75 +150,151 @@ def test_a_peft_runs_engine_files_read_as_the_adapter_peft_saves(tmp_path, tiny_
     assert all(torch.equal(got[names[n]], t.to(torch.bfloat16)) for n, t in trained.items())
 
 
+# ----------------------------------------------------------------------------- --merge: PEFT's own merge, each kind
+
+MERGES = [  # (the kind, the LoraConfig's arguments, the base model: qwen3 (tied, no biases), qwen3-bias, gpt2)
+    ("LoRA", {}, "qwen3"),
+    ("rsLoRA", {"use_rslora": True}, "qwen3"),
+    ("DoRA", {"use_dora": True}, "qwen3"),
+    ("rank_pattern, alpha_pattern", {"rank_pattern": {"q_proj": 8}, "alpha_pattern": {"v_proj": 2}}, "qwen3"),
+    ("LoRA biases", {"lora_bias": True}, "qwen3-bias"),
+    ("bias=all", {"bias": "all"}, "qwen3-bias"),
+    ("embedding LoRA", {"target_modules": ["embed_tokens", "q_proj"]}, "qwen3-untied"),
+    ("modules_to_save, tied", {"modules_to_save": ["lm_head"], "ensure_weight_tying": True}, "qwen3"),
+    ("fan_in_fan_out (Conv1D)", {"target_modules": ["c_attn"], "fan_in_fan_out": True}, "gpt2"),
+]
+
+
+def _base_model(kind, helper):
+    """A seeded tiny base model in bf16: GPT-2 (Conv1D layers), or the narrow Qwen3 with 2 layers (tied, untied,
+    or with attention biases)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128,
+                                          n_positions=64)).to(torch.bfloat16)
+    config = helper.tiny_qwen3_config(num_hidden_layers=2, tie_word_embeddings=kind != "qwen3-untied")
+    config.attention_bias = kind == "qwen3-bias"
+    return Qwen3ForCausalLM(config).to(torch.bfloat16)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter_dtype", ["bfloat16", "float32"])
-def test_the_merge_is_merge_and_unloads_bit_for_bit(adapter_dtype):
-    """A bf16 base and its adapter (bf16, as TRL saves it at ZeRO-3, or fp32, as PEFT's default trains it) merged by
-    dsfix and by PEFT's own PeftModel.from_pretrained(...).merge_and_unload(), on one Linear of a tiny model."""
+@pytest.mark.parametrize("kind, options, base_kind", MERGES, ids=[m[0] for m in MERGES])
+def test_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, tiny_qwen3_helper, kind, options, base_kind):
+    """An adapter PEFT saved (every trained tensor made non-zero), merged by dsfix convert --merge and by
+    PeftModel.from_pretrained(base, adapter).merge_and_unload() on the same bf16 base: bit-equal, every tensor."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
-    import ckptkit
-    from patcher.checkpoint.steps.merge import merged
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(48, 32, bias=False, dtype=torch.bfloat16)
+    from patcher.checkpoint.convert import convert
 
-    base = Tiny()
-    base.proj.weight.data = ckptkit.value("w", (32, 48), torch.bfloat16)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"])
-    dtype = getattr(torch, adapter_dtype)
-    lora_a, lora_b = ckptkit.value("A", (4, 48), dtype) * 0.1, ckptkit.value("B", (32, 4), dtype) * 0.1
-    model = peft.get_peft_model(Tiny(), config)  # what from_pretrained builds: the adapter loaded into it
-    model.base_model.model.proj.base_layer.weight.data = base.proj.weight.data.clone()
-    layer = model.base_model.model.proj
-    layer.lora_A["default"].weight.data = lora_a.to(layer.lora_A["default"].weight.dtype)
-    layer.lora_B["default"].weight.data = lora_b.to(layer.lora_B["default"].weight.dtype)
-    expected = model.merge_and_unload().proj.weight
-    got = merged(base.proj.weight.data, lora_a, lora_b, scaling({"r": 4, "lora_alpha": 8}))
-    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    base = _base_model(base_kind, tiny_qwen3_helper)
+    base.save_pretrained(tmp_path / "base")
+    targets = ["q_proj", "v_proj"] if base_kind.startswith("qwen3") else ["c_attn"]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, **{"target_modules": targets, **options})
+    model = peft.get_peft_model(_base_model(base_kind, tiny_qwen3_helper), lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    model.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "base")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+
+    result = convert(tmp_path / "adapter", output=tmp_path / "merged", merge=True)
+    assert result.ok, result.message
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
+    expected = peft.PeftModel.from_pretrained(loaded, tmp_path / "adapter").merge_and_unload().state_dict()
+    written = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert set(written) <= set(expected)
+    for name, tensor in expected.items():
+        got = written.get(name)
+        if got is None:  # a tied alias the base folder leaves out
+            assert base_kind == "qwen3" and name == "lm_head.weight"
+            continue
+        assert got.dtype == tensor.dtype and torch.equal(got.view(-1).view(torch.int16),
+                                                         tensor.reshape(-1).view(torch.int16)), name
+
+
+class _Base:
+    """A base folder's reader over a model's state dict (its tied alias left out, as save_pretrained leaves it),
+    recording each read."""
+
+    def __init__(self, model, events):
+        from pathlib import Path
+
+        from patcher.checkpoint.readers.base import Held
+
+        self.state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        self.tensors = {k: Held(k, tuple(v.shape), v.dtype) for k, v in self.state.items()}
+        self.aliases, self.folder, self.events = {}, Path("."), events
+
+    def slice(self, name):
+        self.events.append(f"read {name}")
+        return self.state[name].clone()
+
+    def describe(self):
+        return "base"
+
+    def close(self):
+        pass
+
+
+def _adapter(model, config):
+    """PEFT's saved adapter of ``config`` on ``model``, every trained tensor non-zero."""
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if param.requires_grad:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
 
 
 @pytest.mark.slow
-def test_the_merge_reads_one_base_tensor_at_a_time():
+def test_the_merge_reads_one_base_tensor_at_a_time(tiny_qwen3_helper):
     """Memory stays bounded: each base tensor is read, merged and handed on before the next is read."""
-    pytest.importorskip("torch")
-    import ckptkit
-    from patcher.checkpoint.readers.base import Held, Reader
-    from patcher.checkpoint.steps.merge import MergedLoRA
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from patcher.checkpoint.steps.merge import MergedPeft
 
-    weights = {f"layers.{i}.proj.weight": ckptkit.value(str(i), (8, 6)) for i in range(3)}
-
-    class Base(Reader):
-        kind, random_access = "base", True
-
-        def __init__(self):
-            super().__init__(__import__("pathlib").Path("."))
-            self.tensors = {n: Held(n, tuple(t.shape), t.dtype) for n, t in weights.items()}
-
-        def slice(self, name):
-            events.append(f"read {name}")
-            return weights[name]
-
-    adapter = {f"base_model.model.layers.{i}.proj.lora_{w}.weight": ckptkit.value(w, s)
-               for i in range(3) for w, s in (("A", (2, 6)), ("B", (8, 2)))}
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "down_proj"], "use_dora": True}
+    model = tiny_qwen3_helper.tiny_qwen3_model(seed=0, dtype=torch.bfloat16, num_hidden_layers=2)
+    adapter = _adapter(tiny_qwen3_helper.tiny_qwen3_model(seed=0, dtype=torch.bfloat16, num_hidden_layers=2),
+                       peft.LoraConfig(**{k: v for k, v in config.items() if k != "peft_type"}))
     events = []
-    MergedLoRA(Base(), adapter, {"peft_type": "LORA", "r": 2, "lora_alpha": 2}, "run").stream(
-        lambda name, first, data: events.append(f"put {name}"))
-    assert events == [f"{what} {n}" for n in weights for what in ("read", "put")]
+    merged = MergedPeft(_Base(model, events), adapter, config, model.config, "run")
+    merged.stream(lambda name, first, data: events.append(f"put {name}"))
+    names = [k for k in model.state_dict() if k != "lm_head.weight"]
+    assert events == [f"{what} {n}" for n in names for what in ("read", "put")]
 
 
-@pytest.mark.parametrize("adapter, words", [
-    ({"base_model.model.lm_head.lora_A.weight": 1, "base_model.model.lm_head.lora_B.weight": 1},
-     "the base folder holds no lm_head.weight"),
-    ({"base_model.model.embed.lora_embedding_A": 1}, "a layer kind dsfix does not merge"),
-    ({"base_model.model.layers.0.proj.lora_A.weight": 1}, "lora_A or lora_B missing for layers.0.proj.weight"),
-])
-def test_what_the_merge_cannot_place_is_refused_in_one_line(adapter, words):
-    from patcher.checkpoint.steps.merge import plan_merge
+@pytest.mark.parametrize("config, change, words", [
+    ({"target_modules": ["q_proj"]}, lambda a: a.update(x=a.popitem()[1]), "the adapter holds x, which its PEFT model"),
+    ({"target_modules": ["q_proj"]}, lambda a: a.popitem(), "the adapter lacks base_model.model.model.layers.0.self_"),
+    ({"target_modules": ["lm_head"]}, None, "changes lm_head.weight, which the base folder does not hold as a tensor"),
+    ({"target_modules": ["q_proj"], "lora_bias": True}, None, "PEFT's merge() of model.layers.0.self_attn.q_proj "
+                                                              "refused"),
+], ids=["a tensor PEFT's model has not", "a tensor missing", "LoRA on the tied lm_head", "lora_bias, no base bias"])
+def test_what_the_merge_refuses_in_one_line(tiny_qwen3_helper, config, change, words):
+    """Each refusal is one PEFT itself makes (its merge() refuses), or a tensor the merge has no place for."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from patcher.checkpoint.steps.merge import MergedPeft
 
+    model = tiny_qwen3_helper.tiny_qwen3_model(seed=0, dtype=torch.bfloat16, num_hidden_layers=1)
+    adapter = _adapter(tiny_qwen3_helper.tiny_qwen3_model(seed=0, dtype=torch.bfloat16, num_hidden_layers=1),
+                       peft.LoraConfig(r=2, lora_alpha=4, **config))
+    if change is not None:
+        change(adapter)
     with pytest.raises(DsfixError) as info:
-        plan_merge(adapter, {"layers.0.proj.weight", "embed.weight"}, LORA)
-    assert words in info.value.message and "\n" not in info.value.message
-    json.dumps(info.value.message)
+        MergedPeft(_Base(model, []), adapter, {"peft_type": "LORA", "r": 2, "lora_alpha": 4, **config}, model.config,
+                   "run").stream(lambda name, first, data: None)
+    assert words in info.value.message and "\n" not in info.value.message and len(info.value.message) <= 200

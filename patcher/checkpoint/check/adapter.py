@@ -22,7 +22,7 @@ from patcher.checkpoint.check.model import ADAPTER, Expected, Model, load_config
 from patcher.checkpoint.check.values import finite_check
 from patcher.checkpoint.check.verify import VerifyReport
 from patcher.checkpoint.names import examples
-from patcher.checkpoint.readers.find import is_engine_checkpoint
+from patcher.checkpoint.readers.find import engine_files_beside, is_engine_checkpoint
 from patcher.checkpoint.readers.peft import (
     ADAPTER_BIN,
     ADAPTER_CONFIG,
@@ -170,19 +170,58 @@ def verify_adapter(folder: Path, base: Optional[Path] = None, load: bool = True)
         checks = adapter_checks(reader, model, head, load)
         files = Check("files", not head.problems and bool(head.entries), "; ".join(head.problems) or reader.describe())
         checks.insert(1, files)
-    cure = "" if head.entries else empty_adapter(folder)
-    if cure:
+    cause = empty_cause(head)
+    if cause:
+        cure = f"{cause}; {recovery(folder)}"
         checks = [c._replace(ok=False, detail=cure) if c.name == "non-empty" else c for c in checks]
+    else:
+        cure = failed_line(checks)
     return VerifyReport(path=str(folder), ok=all(c.ok for c in checks), checks=tuple(checks), tensors=len(head.entries),
                         dtype=dtype_check(head, None)[1], files=tuple(head.files),
                         expected=len(model.expected.shapes) if model.expected is not None else None, kind=ADAPTER,
                         cure=cure)
 
 
-def empty_adapter(folder: Path) -> str:
-    """Why an adapter file holds no tensor, and what recovers it: the one line verify fails with."""
+def empty_cause(head: Any) -> str:
+    """Why an adapter file holds no adapter ("" when it holds one): 0 tensors, or tensors of 0 elements (ZeRO-3's
+    partitioned parameters, saved by PEFT as they are on the rank)."""
+    if not head.entries:
+        return f"{ADAPTER_WEIGHTS} holds 0 tensors (PEFT's save under ZeRO-3 without the gather)"
+    empty = [k for k, (shape, _, _) in head.entries.items() if 0 in shape]
+    if not empty:
+        return ""
+    return (f"{ADAPTER_WEIGHTS} holds {len(empty)} empty tensors of {len(head.entries)} (PEFT's save of ZeRO-3's "
+            "partitions, not gathered)")
+
+
+def recovery(folder: Path) -> str:
+    """Where an empty adapter folder's adapter is, and the convert that recovers it: the checkpoint-N it is in, an
+    engine checkpoint beside it (accelerate's save_state), or the one to give."""
     if is_engine_checkpoint(folder):
-        return (f"{ADAPTER_WEIGHTS} holds 0 tensors (PEFT's save under ZeRO-3 without the gather); the adapter is in "
-                f"the engine files: dsfix convert {folder} --output ADAPTER_DIR")
-    return (f"{ADAPTER_WEIGHTS} holds 0 tensors (PEFT's save under ZeRO-3 without the gather?); convert the "
-            "checkpoint-N that holds global_stepN/ with dsfix convert")
+        return f"the adapter is in the engine files: dsfix convert {folder} --output ADAPTER_DIR"
+    found = engine_files_beside(folder)
+    if len(found) == 1:
+        return f"the adapter is in the engine files beside it: dsfix convert {found[0]} --config {folder} --output OUT"
+    return f"the adapter is in the run's engine files: dsfix convert STATE_DIR --config {folder} --output OUT"
+
+
+NEXT = {  # a failed check of an adapter folder -> the next step ("" where its detail names it)
+    "config": f"fix {ADAPTER_CONFIG}, or convert the run's engine files again with dsfix convert",
+    "base": "",
+    "files": "convert the run's engine files again into a new folder with dsfix convert",
+    "keys": "pass --base, the model it was trained on; else convert the run's engine files again",
+    "shapes": "pass --base, the model it was trained on; else convert the run's engine files again",
+    "load": "pass --base, the model it was trained on; else convert the run's engine files again",
+    "finite": "the training diverged: convert an earlier checkpoint-N",
+}
+
+
+def failed_line(checks: list) -> str:
+    """The last line of a failed adapter's verify: its first failed check, in short, and the next step ("" when
+    every check holds)."""
+    first = next((c for c in checks if not c.ok), None)
+    if first is None:
+        return ""
+    detail = first.detail if len(first.detail) <= 100 else first.detail[:97] + "..."
+    step = NEXT.get(first.name, "see the table above")
+    return f"{first.name}: {detail}" + (f"; next: {step}" if step else "")
