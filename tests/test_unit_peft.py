@@ -161,6 +161,7 @@ MERGES = [  # (the kind, the LoraConfig's arguments, the base model: qwen3 (tied
     ("bias=all", {"bias": "all"}, "qwen3-bias"),
     ("embedding LoRA", {"target_modules": ["embed_tokens", "q_proj"]}, "qwen3-untied"),
     ("modules_to_save, tied", {"modules_to_save": ["lm_head"], "ensure_weight_tying": True}, "qwen3"),
+    ("LoRA on the tied lm_head", {"target_modules": ["lm_head", "q_proj"]}, "qwen3"),
     ("fan_in_fan_out (Conv1D)", {"target_modules": ["c_attn"], "fan_in_fan_out": True}, "gpt2"),
 ]
 
@@ -279,10 +280,11 @@ def test_the_merge_reads_one_base_tensor_at_a_time(tiny_qwen3_helper):
 @pytest.mark.parametrize("config, change, words", [
     ({"target_modules": ["q_proj"]}, lambda a: a.update(x=a.popitem()[1]), "the adapter holds x, which its PEFT model"),
     ({"target_modules": ["q_proj"]}, lambda a: a.popitem(), "the adapter lacks base_model.model.model.layers.0.self_"),
-    ({"target_modules": ["lm_head"]}, None, "changes lm_head.weight, which the base folder does not hold as a tensor"),
+    ({"target_modules": ["embed_tokens", "lm_head"]}, None, "changes lm_head.weight, which the base folder does not "
+                                                            "hold as a tensor"),
     ({"target_modules": ["q_proj"], "lora_bias": True}, None, "PEFT's merge() of model.layers.0.self_attn.q_proj "
                                                               "refused"),
-], ids=["a tensor PEFT's model has not", "a tensor missing", "LoRA on the tied lm_head", "lora_bias, no base bias"])
+], ids=["a tensor PEFT's model has not", "a tensor missing", "LoRA on both tied ends", "lora_bias, no base bias"])
 def test_what_the_merge_refuses_in_one_line(tiny_qwen3_helper, config, change, words):
     """Each refusal is one PEFT itself makes (its merge() refuses), or a tensor the merge has no place for."""
     torch = pytest.importorskip("torch")

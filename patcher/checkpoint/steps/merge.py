@@ -76,6 +76,7 @@ class MergedPeft(Reader):
         self.adapter = adapter
         self.units = merge_units(self.model, "default")
         self.owner: dict = {}  # a base tensor's name -> the module path whose merge gives it
+        self.redirect: dict = {}  # a tied weight the base leaves out -> the base tensor it is
         for path, (out, _) in self.units.items():
             for name, _ in self.model.get_submodule(out).named_parameters():
                 self.owner[f"{_own(path)}.{name}"] = path
@@ -101,13 +102,32 @@ class MergedPeft(Reader):
         held = [n for n in self.owner if n in self.base.tensors and n not in self.base.aliases]
         tied = []
         for name in [n for n in self.owner if n not in held]:
+            path = self.owner[name]
+            partner = self.tied_partner(name) if self.units[path][1] else None
             mine = copy(name)  # the tied alias the base leaves out: written from a partner that holds the same copy
-            if mine is None or not any((c := copy(n)) is not None and mine.equal(c) for n in held):
-                tied.append(name)
             del self.owner[name]
+            if partner is not None and partner not in self.owner:  # PEFT merges into the one tensor both share
+                self.owner[partner], self.redirect[name] = path, partner
+            elif mine is None or not any((c := copy(n)) is not None and mine.equal(c) for n in held):
+                tied.append(name)
         if tied:
             raise DsfixError(f"--merge: the adapter changes {examples(tied)}, which the base folder does not hold as a "
                              "tensor of its own (tied to another: a merge would change both); not merged")
+
+    def tied_partner(self, name: str) -> Optional[str]:
+        """The base tensor a wrapped base layer's weight ``name`` is, tied in the model (``lm_head.weight`` is
+        ``model.embed_tokens.weight``), where the base folder holds it; else None."""
+        param = self.model.get_parameter(self._key(name))
+        for key, other in self.model.named_parameters(remove_duplicate=False):
+            own = base_name(key)
+            if other is param and own != name and own in self.base.tensors and own not in self.base.aliases:
+                return own
+        return None
+
+    def _key(self, name: str) -> str:
+        """The PEFT model's key of a base tensor its merge gives."""
+        path = self.owner.get(name) or next(p for p in self.units if name.startswith(f"{_own(p)}."))
+        return f"{self.units[path][0]}.{name[len(_own(path)) + 1:]}"
 
     def _check_adapter(self, adapter: dict, names: dict) -> None:
         unknown = [n for n in adapter if n not in self.keys]
@@ -147,7 +167,8 @@ class MergedPeft(Reader):
             for name, param in list(sub.named_parameters(recurse=False)):
                 full = f"{sub_name}.{name}"
                 if merges and full.startswith(f"{out_path}."):  # the base layer's own: from the base folder
-                    tensor = self._read(f"{_own(path)}.{full[len(out_path) + 1:]}")
+                    own = f"{_own(path)}.{full[len(out_path) + 1:]}"
+                    tensor = self._read(self.redirect.get(own, own))
                 else:  # the adapter's: filled below, as PEFT loads it
                     tensor = torch.empty_like(param, device="cpu")
                 sub._parameters[name] = torch.nn.Parameter(tensor, requires_grad=param.requires_grad)
@@ -162,7 +183,8 @@ class MergedPeft(Reader):
                     raise DsfixError(f"--merge: PEFT's merge() of {_own(path)} refused: {type(e).__name__}: "
                                      f"{' '.join(str(e).split())[:120]}") from None
         out = self.model.get_submodule(out_path)
-        result = {f"{_own(path)}.{name}": p.detach() for name, p in out.named_parameters()}
+        result = {(own := f"{_own(path)}.{name}") and self.redirect.get(own, own): p.detach()
+                  for name, p in out.named_parameters()}
         scope.to_empty(device="meta")
         getattr(scope, "_caches", {}).clear()
         return result
