@@ -190,8 +190,8 @@ def empty_cause(head: Any) -> str:
     empty = [k for k, (shape, _, _) in head.entries.items() if 0 in shape]
     if not empty:
         return ""
-    return (f"{ADAPTER_WEIGHTS} holds {len(empty)} empty tensors of {len(head.entries)} (PEFT's save of ZeRO-3's "
-            "partitions, not gathered)")
+    return (f"{ADAPTER_WEIGHTS} holds {len(empty)} of {len(head.entries)} tensors empty (ZeRO-3 partitions, not "
+            "gathered)")
 
 
 def recovery(folder: Path) -> str:
@@ -201,8 +201,8 @@ def recovery(folder: Path) -> str:
         return f"the adapter is in the engine files: dsfix convert {folder} --output ADAPTER_DIR"
     found = engine_files_beside(folder)
     if len(found) == 1:
-        return f"the adapter is in the engine files beside it: dsfix convert {found[0]} --config {folder} --output OUT"
-    return f"the adapter is in the run's engine files: dsfix convert STATE_DIR --config {folder} --output OUT"
+        return f"it is in the engine files beside it: dsfix convert {found[0]} --config {folder} --output OUT"
+    return f"it is in the run's engine files: dsfix convert STATE_DIR --config {folder} --output OUT"
 
 
 NEXT = {  # a failed check of an adapter folder -> the next step ("" where its detail names it)

@@ -63,24 +63,27 @@ def is_peft_engine(engine: Any) -> bool:
 
 def adapter_beside(engine: Any, root: Path, base: Optional[Path]) -> tuple:
     """(the one folder beside the checkpoint ``root`` whose adapter_config.json's PEFT model saves every parameter
-    the engine trained, how it was found); else one line naming ``--config ADAPTER_DIR``."""
+    the engine trained, in its shape; how it was found); else one line naming ``--config ADAPTER_DIR``. Folders
+    holding the same adapter_config.json (a converted copy) count as one."""
     from patcher.checkpoint.readers.find import adapter_configs_beside
     from patcher.checkpoint.readers.peft import read_adapter_config
 
     found = []
     for folder in adapter_configs_beside(root):
         try:
-            names, _, _ = saved_names_of(engine, read_adapter_config(folder) or {}, folder, base)
+            names, _, model = saved_names_of(engine, read_adapter_config(folder) or {}, folder, base)
         except DsfixError:
             continue
-        if all(n in names for n in trained_names(engine)):
+        shapes = model.expected.shapes if model.expected is not None else {}
+        if all(shapes.get(names.get(n)) == tuple(engine.tensors[n].shape) for n in trained_names(engine)):
             found.append(folder)
     if len({(f / ADAPTER_CONFIG).read_bytes() for f in found}) == 1:  # one config (a converted copy is the same)
         return found[0], (f"{found[0]}: beside the checkpoint, the one whose PEFT model saves its parameters"
-                          + (f" (and {len(found) - 1} copies of it)" if len(found) > 1 else ""))
-    what = f"{len(found)} folders beside it match them ({examples(found)})" if found else "none beside it matches"
-    raise DsfixError(f"a PEFT model's engine files (accelerate's save_state?) and no {ADAPTER_CONFIG} here, "
-                     f"{what}: pass --config ADAPTER_DIR, the folder the run's save_pretrained wrote", path=str(root))
+                          + (f" (and {len(found) - 1} copy of it elsewhere)" if len(found) == 2 else
+                             f" (and {len(found) - 1} copies of it elsewhere)" if len(found) > 2 else ""))
+    what = f"{len(found)} beside them match ({examples(found)})" if found else "none beside them matches"
+    raise DsfixError(f"engine files of a PEFT model (accelerate's save_state?), no {ADAPTER_CONFIG} here, {what}: "
+                     "pass --config ADAPTER_DIR, the folder of the run's save_pretrained", path=str(root))
 
 
 def saved_names_of(engine: Any, config: dict, adapter_dir: Path, base: Optional[Path]) -> tuple:
