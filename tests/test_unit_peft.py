@@ -163,6 +163,8 @@ MERGES = [  # (the kind, the LoraConfig's arguments, the base model: qwen3 (tied
     ("modules_to_save, tied", {"modules_to_save": ["lm_head"], "ensure_weight_tying": True}, "qwen3"),
     ("LoRA on the tied lm_head", {"target_modules": ["lm_head", "q_proj"]}, "qwen3"),
     ("fan_in_fan_out (Conv1D)", {"target_modules": ["c_attn"], "fan_in_fan_out": True}, "gpt2"),
+    ("IA3", {"peft_type": "IA3", "target_modules": ["q_proj", "down_proj"], "feedforward_modules": ["down_proj"]},
+     "qwen3"),
 ]
 
 
@@ -196,7 +198,10 @@ def test_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, tiny_qwen3_helper,
     base = _base_model(base_kind, tiny_qwen3_helper)
     base.save_pretrained(tmp_path / "base")
     targets = ["q_proj", "v_proj"] if base_kind.startswith("qwen3") else ["c_attn"]
-    lora = peft.LoraConfig(r=4, lora_alpha=8, **{"target_modules": targets, **options})
+    if options.get("peft_type") == "IA3":
+        lora = peft.IA3Config(**{k: v for k, v in options.items() if k != "peft_type"})
+    else:
+        lora = peft.LoraConfig(r=4, lora_alpha=8, **{"target_modules": targets, **options})
     model = peft.get_peft_model(_base_model(base_kind, tiny_qwen3_helper), lora)
     with torch.no_grad():
         for name, param in model.named_parameters():
