@@ -305,3 +305,54 @@ def test_what_the_merge_refuses_in_one_line(tiny_qwen3_helper, config, change, w
         MergedPeft(_Base(model, []), adapter, {"peft_type": "LORA", "r": 2, "lora_alpha": 4, **config}, model.config,
                    "run").stream(lambda name, first, data: None)
     assert words in info.value.message and "\n" not in info.value.message and len(info.value.message) <= 200
+
+
+# ----------------------------------------------------------------------------- the lines an adapter fails with
+
+def _check(name, ok, detail="d"):
+    from patcher.checkpoint.check.headers import Check
+
+    return Check(name, ok, detail)
+
+
+@pytest.mark.parametrize("checks, line", [
+    ([("config", True), ("keys", True)], ""),
+    ([("config", True), ("keys", False, "4 missing: a.lora_magnitude_vector"), ("load", False)],
+     "keys: 4 missing: a.lora_magnitude_vector; next: pass --base, the model it was trained on; else convert the "
+     "run's engine files again"),
+    ([("base", False, "base_model_name_or_path: x is neither a folder here nor in the Hugging Face cache; pass --base "
+                      "BASE_DIR")],
+     "base: base_model_name_or_path: x is neither a folder here nor in the Hugging Face cache; pass --base BASE_DIR"),
+    ([("finite", False, "NaN in 2 tensors")], "finite: NaN in 2 tensors; next: the training diverged: convert an "
+                                              "earlier checkpoint-N"),
+    ([("shapes", False, "x" * 300)], f"shapes: {'x' * 97}...; next: pass --base, the model it was trained on; else "
+                                     "convert the run's engine files again"),
+    ([("dtype", False, "mixed")], "dtype: mixed; next: see the table above"),
+])
+def test_a_failed_adapter_s_last_line_names_its_first_failed_check_and_the_next_step(checks, line):
+    from patcher.checkpoint.check.adapter import failed_line
+
+    got = failed_line([_check(*c) for c in checks])
+    assert got == line and len(got) <= 200
+
+
+@pytest.mark.parametrize("layout, start, engines, adapters", [
+    # (folders: name -> files, the folder looked from, engine checkpoints found, adapter_config.json folders found)
+    ({"state": ["latest"], "adapter": ["adapter_config.json"]}, "state", [], ["adapter"]),
+    ({"state": ["latest"], "adapter": ["adapter_config.json"]}, "adapter", ["state"], []),
+    ({"state": ["latest"], "a": ["adapter_config.json"], "b": ["adapter_config.json"]}, "state", [], ["a", "b"]),
+    ({"adapter": ["adapter_config.json"], "adapter/state": ["latest"]}, "adapter", ["adapter/state"], []),
+    ({".": ["adapter_config.json"], "state": ["latest"]}, "state", [], ["."]),
+    ({"state": ["latest"], "other": ["notes.txt"]}, "state", [], []),
+])
+def test_what_is_found_beside_a_state_folder_or_an_adapter_folder(tmp_path, layout, start, engines, adapters):
+    from patcher.checkpoint.readers.find import adapter_configs_beside, engine_files_beside
+
+    root = tmp_path / "run"
+    for folder, files in layout.items():
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        for name in files:
+            (root / folder / name).write_text("global_step1" if name == "latest" else "{}")
+    names = lambda found: [str(p.relative_to(root.resolve())) for p in found]  # noqa: E731
+    assert names(engine_files_beside(root / start)) == engines
+    assert names(adapter_configs_beside(root / start)) == adapters

@@ -222,6 +222,7 @@ def failed_line(checks: list) -> str:
     first = next((c for c in checks if not c.ok), None)
     if first is None:
         return ""
-    detail = first.detail if len(first.detail) <= 100 else first.detail[:97] + "..."
     step = NEXT.get(first.name, "see the table above")
+    room = 100 if step else 170  # a detail that names the next step itself is kept whole
+    detail = first.detail if len(first.detail) <= room else first.detail[:room - 3] + "..."
     return f"{first.name}: {detail}" + (f"; next: {step}" if step else "")
