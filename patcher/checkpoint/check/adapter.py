@@ -202,7 +202,7 @@ def recovery(folder: Path) -> str:
     found = engine_files_beside(folder)
     if len(found) == 1:
         return f"it is in the engine files beside it: dsfix convert {found[0]} --config {folder} --output OUT"
-    return f"it is in the run's engine files: dsfix convert STATE_DIR --config {folder} --output OUT"
+    return f"it is in the run's engine files: dsfix convert STATE_FOLDER --config {folder} --output OUT"
 
 
 NEXT = {  # a failed check of an adapter folder -> the next step ("" where its detail names it)
