@@ -48,6 +48,7 @@ from patcher.checkpoint.names import (
 from patcher.checkpoint.readers.bin import BinFolder, bin_files
 from patcher.checkpoint.readers.find import (
     Chosen,
+    adapter_configs_beside,
     choose_checkpoint,
     choose_model_folder,
     config_for,
@@ -155,25 +156,27 @@ def convert_checkpoint(path, config, *, output=None, tag: Optional[str] = None, 
     chosen = choose_checkpoint(path, tag) or Chosen(Path(path), tag, "")
     output = _check_output(path, output, lora_scaling)
     step, step_tag, _ = step_folder(chosen.path, chosen.tag)
+    root = step.parent if step != chosen.path else chosen.path
     peft, config, found = given_adapter(chosen.path, step, config)
-    if peft is not None:
-        _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora)
-    own = False
+    # where no adapter_config.json is beside or near, a missing config or a PEFT option is refused before torch
+    late = peft is None and bool(adapter_configs_beside(root))
+    _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora, late)
+    config, own = config_for(chosen, config) if peft is None and not late else (config, False)
     with quiet():
         source = open_step(step, step_tag)
-        if peft is None and is_peft_engine(source):  # accelerate's save_state: adapter_config.json elsewhere
-            peft, found = adapter_beside(source, step.parent if step != chosen.path else chosen.path, base)
+        if peft is None and is_peft_engine(source):  # accelerate's save_state: adapter_config.json beside, or one line
+            peft, found = adapter_beside(source, root, base)
             _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora)
         if peft is not None:
             adapter = read_adapter_config(peft) or {}
             run, model = peft_run(source, adapter, peft, base)
             reader, model, config = peft_reader_of(run, adapter, peft, base, merge, model)
         else:
-            _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora)
-            config, own = config_for(chosen, config)
+            if late:
+                _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora)
+                config, own = config_for(chosen, config)
             model = _config_model(source, config, own)
             reader = lora.fused(source, lora_scaling, keep_lora)
-        root = step.parent if step != chosen.path else chosen.path
         described = CheckpointResult(
             path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False, kind=_kind(source, peft, merge),
             tag=source.tag, world=source.world, stage=source.stage, precision=source.precision, strategy=strategy,
@@ -200,13 +203,17 @@ def _kind(source: Any, peft: Optional[Path], merge: bool) -> str:
     return "deepspeed-universal-checkpoint" if source.kind == "universal" else "deepspeed-engine-checkpoint"
 
 
-def _check_peft_options(peft: Optional[Path], config, base, merge: bool, lora_scaling, keep_lora: bool) -> None:
-    """--base and --merge are a PEFT run's; --config, --lora-scaling and --keep-lora are not."""
+def _check_peft_options(peft: Optional[Path], config, base, merge: bool, lora_scaling, keep_lora: bool,
+                        later: bool = False) -> None:
+    """--base and --merge are a PEFT run's; --config, --lora-scaling and --keep-lora are not (``later``: whether it
+    is a PEFT run is not known yet)."""
+    if later:
+        return
     if peft is None:
         given = [o for o, v in (("--base", base is not None), ("--merge", merge)) if v]
         if given:
-            raise DsfixError(f"{' and '.join(given)}: for a PEFT run (adapter_config.json beside the engine files); "
-                             "this checkpoint has none")
+            raise DsfixError(f"{' and '.join(given)}: for a PEFT run, whose adapter_config.json is beside the engine "
+                             "files or given by --config ADAPTER_DIR; this checkpoint has none")
         return
     given = [o for o, v in (("--config", config is not None), ("--lora-scaling", lora_scaling is not None),
                             ("--keep-lora", keep_lora)) if v]

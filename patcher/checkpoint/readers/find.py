@@ -219,7 +219,8 @@ def config_for(chosen: Chosen, config) -> tuple[Path, bool]:
     root = step.parent if step != chosen.path else chosen.path
     who = {"accelerate": "accelerate's save_state writes none", "trainer": "this checkpoint-N has none"}.get(
         producer_of(root), "engine.save_checkpoint writes none")
-    raise DsfixError(f"no {CONFIG_NAME} here ({who}): convert needs --config MODEL_DIR, the model's folder",
+    peft = " (ADAPTER_DIR for PEFT)" if producer_of(root) == "accelerate" else ""
+    raise DsfixError(f"no {CONFIG_NAME} here ({who}): convert needs --config MODEL_DIR, the model's folder{peft}",
                      path=str(chosen.path))
 
 
