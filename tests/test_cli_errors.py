@@ -74,7 +74,7 @@ ROWS = [  # (id, arguments, exit code, the one stderr line, or the lines of a re
      "MODEL_DIR, the model's folder"),
     ("convert: accelerate's save_state without --config", ["convert", "ACCEL", "--output", "EMPTY/out"], 2,
      "dsfix: error: ACCEL: no config.json here (accelerate's save_state writes none): convert needs --config "
-     "MODEL_DIR, the model's folder"),
+     "MODEL_DIR, the model's folder (ADAPTER_DIR for PEFT)"),
     ("convert: a Trainer run's last checkpoint without config.json", ["convert", "RUN", "--output", "EMPTY/out"], 2,
      "dsfix: error: RUN/checkpoint-10: no config.json here (this checkpoint-N has none): convert needs --config "
      "MODEL_DIR, the model's folder"),

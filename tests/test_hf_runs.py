@@ -194,7 +194,7 @@ def test_accelerate_save_state_converts_with_config(hf_runs, tmp_path):
     with pytest.raises(DsfixError) as info:  # no config beside accelerate's weights: one line says so
         convert(state, config=None, output=tmp_path / "no-config")
     assert info.value.message == ("no config.json here (accelerate's save_state writes none): convert needs --config "
-                                  "MODEL_DIR, the model's folder")
+                                  "MODEL_DIR, the model's folder (ADAPTER_DIR for PEFT)")
     assert not (tmp_path / "no-config").exists()
     result = convert(state, config=model_dir, output=tmp_path / "out")
     assert result.ok, result.checks

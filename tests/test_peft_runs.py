@@ -1,18 +1,21 @@
-"""What PEFT LoRA training with TRL or the Hugging Face Trainer under DeepSpeed writes, and two more producers'
-folders: the facts a conversion of them rests on (extended tier: ``python -m pytest --extended``).
+"""What PEFT training with TRL, the Hugging Face Trainer or a plain accelerate loop under DeepSpeed writes, and two
+more producers' folders: the facts a conversion of them rests on (extended tier: ``python -m pytest --extended``).
 
 One launch of 2 CPU ranks (gloo) runs, one after another in each rank's process
 (fixtures/step1_trainer/peft_ckpt.py), on the narrow tied Qwen3 in bf16: TRL's ``SFTTrainer`` with a LoRA
 adapter at ZeRO-2 and ZeRO-3, the plain ``Trainer`` on a PEFT model (with ``modules_to_save`` at ZeRO-2, without
-at ZeRO-3), a full fine-tune saved with ``save_only_model`` and a plain engine's ``save_16bit_model``. Most tests
-read what the runs wrote and the run's own adapter read in the training process (``reference_*.safetensors``),
-checking no dsfix code; the last ones run ``dsfix convert`` and ``dsfix verify`` on the two other producers'
-folders (every line they print within 200 characters).
+at ZeRO-3), DoRA with the plain ``Trainer`` at ZeRO-2 (with rsLoRA and per-module ranks and alphas) and ZeRO-3, an
+accelerate loop's ``save_state`` at ZeRO-3 (persistence threshold 0) with its ``save_pretrained`` folder, a full
+fine-tune saved with ``save_only_model`` and a plain engine's ``save_16bit_model``. Most tests read what the runs
+wrote and the run's own adapter read in the training process (``reference_*.safetensors``), checking no dsfix code;
+the others run ``dsfix convert`` (the adapter, and ``--merge`` against PEFT's ``merge_and_unload()``) and ``dsfix
+verify`` on them (every line they print within 200 characters, the user's paths aside).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +41,11 @@ def peft_runs(tmp_path_factory):
     from smokekit import LAUNCH_TIMEOUT_S, launch_ranks
 
     out = tmp_path_factory.mktemp("peft-runs") / "runs"
-    # six runs in one launch: 85 s on an idle 2-core machine, 194 s on a loaded one; twice the usual limit
+    # nine runs in one launch: six took 85 s on an idle 2-core machine, 194 s on a loaded one; the three DoRA and
+    # accelerate runs add about a third (213 s for them alone, start-up included, at load 6); three times the limit
     run = launch_ranks(REPO / "fixtures" / "step1_trainer" / "peft_ckpt.py", ["--output_dir", out],
                        env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
-                       timeout=2 * LAUNCH_TIMEOUT_S)
+                       timeout=3 * LAUNCH_TIMEOUT_S)
     assert run.ok and "[peft_ckpt] saved " in run.output, run.report()
     return out
 
@@ -268,7 +272,11 @@ def _peft_load(base: Path, adapter: Path):
     return model, missing, list(result.unexpected_keys)
 
 
-@pytest.mark.parametrize("run", ["trl_z2", "trl_z3", "peft_trainer_z2", "peft_trainer_z3"])
+DORA_KEYS = 28 * 2 * 3  # 28 layers, q/v_proj, lora_A, lora_B and DoRA's lora_magnitude_vector
+KEYS = {"peft_trainer_z2": LORA_KEYS + 2, "dora_z2": DORA_KEYS, "dora_z3": DORA_KEYS}
+
+
+@pytest.mark.parametrize("run", ["trl_z2", "trl_z3", "peft_trainer_z2", "peft_trainer_z3", "dora_z2", "dora_z3"])
 def test_a_peft_run_converts_with_no_flag_to_the_adapter_it_trained(peft_runs, tmp_path, run):
     """The run folder alone: its last checkpoint's engine files give the adapter PEFT would have saved, bit for
     bit the run's own (gathered in training at ZeRO-3; at ZeRO-2 PEFT's own file, byte for byte), with
@@ -277,12 +285,12 @@ def test_a_peft_run_converts_with_no_flag_to_the_adapter_it_trained(peft_runs, t
     code, stdout, stderr = _cli("convert", peft_runs / run, "--output", out, "--json")
     assert code == 0, stderr[-3000:]
     report = json.loads(stdout)
-    assert (report["kind"], report["tensors"]) == ("peft-adapter", LORA_KEYS + (2 if run == "peft_trainer_z2" else 0))
+    assert (report["kind"], report["tensors"]) == ("peft-adapter", KEYS.get(run, LORA_KEYS))
     assert max(len(line) for line in stderr.splitlines()) <= 200
     assert stderr.strip().splitlines()[-1] == (f"converted checkpoint-2/global_step2 -> {out}: {report['tensors']} "
                                                f"tensors, {report['dtype']}, the LoRA adapter")
     # the adapter's dtype in training: PEFT keeps it fp32 on the bf16 base that zero.Init made at ZeRO-3
-    assert report["dtype"] == ("float32" if run == "peft_trainer_z3" else "bfloat16")
+    assert report["dtype"] == ("float32" if run in ("peft_trainer_z3", "dora_z3") else "bfloat16")
     reference = _tensors(peft_runs / run / "reference_adapter.safetensors")
     written = _tensors(out / "adapter_model.safetensors")
     assert written.keys() == reference.keys() and all(_equal(written[k], reference[k]) for k in reference)
@@ -311,16 +319,35 @@ def test_verify_fails_the_empty_zero3_adapter_with_its_cure(peft_runs):
     assert code == 0, stderr[-2000:]
 
 
-@pytest.mark.parametrize("run", ["trl_z3", "peft_trainer_z2", "peft_trainer_z3"])
+def test_the_empty_dora_adapters_cure_converts_it(peft_runs, tmp_path):
+    """verify names the convert that recovers the Trainer's empty ZeRO-3 DoRA adapter, and that convert does: the
+    adapter described as DoRA (with rsLoRA and the per-module ranks and alphas where the run used them)."""
+    checkpoint = peft_runs / "dora_z3" / "checkpoint-2"
+    code, _, stderr = _cli("verify", checkpoint)
+    cure = _lines(stderr)[-1].split(": ", 1)[1].rsplit("the engine files: ", 1)[1]
+    assert code == 1 and cure == f"dsfix convert {checkpoint} --output ADAPTER_DIR"
+    for run, out, words in ((checkpoint, "a", "a PEFT LoRA (DoRA), r 4, lora_alpha 8 adapter (168 tensors)"),
+                            (peft_runs / "dora_z2", "b", "a PEFT LoRA (DoRA, rsLoRA), r 4, lora_alpha 8, rank_pattern "
+                                                         "q_proj: 8, alpha_pattern v_proj: 4 adapter (168 tensors)")):
+        code, stdout, stderr = _cli("convert", run, "--output", tmp_path / out, "--json")
+        assert code == 0, stderr[-3000:]
+        source = next(c for c in json.loads(stdout)["checks"] if c["name"] == "source")
+        assert words in source["detail"], source
+
+
+@pytest.mark.parametrize("run", ["trl_z3", "peft_trainer_z2", "peft_trainer_z3", "dora_z2", "dora_z3",
+                                 "accelerate_peft_z3/state"])
 def test_merge_is_merge_and_unload_bit_for_bit_and_loads_tied(peft_runs, tmp_path, run):
-    """--merge: the base (named by adapter_config.json) with the adapter merged in, as PEFT's merge_and_unload()
-    merges the adapter convert recovered (bf16 LoRA, modules_to_save on the tied embedding, fp32 LoRA)."""
+    """--merge: the base (named by adapter_config.json) with the adapter merged in by PEFT's own layers, as PEFT's
+    merge_and_unload() merges the adapter convert recovered (bf16 LoRA, modules_to_save on the tied embedding, fp32
+    LoRA, DoRA with rsLoRA and per-module ranks and alphas, DoRA, accelerate's save_state)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     code, stdout, stderr = _cli("convert", peft_runs / run, "--merge", "--output", tmp_path / "merged", "--json")
     assert code == 0, stderr[-3000:]
     assert json.loads(stdout)["kind"] == "peft-merged"
+    _lines(stderr)
     assert _cli("convert", peft_runs / run, "--output", tmp_path / "adapter")[0] == 0
     model, _, _ = _peft_load(peft_runs / "base", tmp_path / "adapter")
     model.delete_adapter("again")
@@ -334,13 +361,71 @@ def test_merge_is_merge_and_unload_bit_for_bit_and_loads_tied(peft_runs, tmp_pat
     assert names == sorted(p.name for p in (peft_runs / "base").iterdir())
 
 
+# ----------------------------------------------------------------------------- accelerate's save_state of a PEFT model
+
+
+def test_accelerates_save_state_converts_with_its_save_pretrained_folder(peft_runs, tmp_path):
+    """A plain accelerate loop at ZeRO-3 (persistence threshold 0): the state folder holds no adapter_config.json;
+    save_pretrained's folder holds it and [0] tensors. That folder is never called fine (convert and verify exit
+    1 naming the convert that recovers it); the state folder converts with --config ADAPTER_DIR, or alone where
+    that folder is the one beside it, bit-equal to the adapter gathered in training, and loads into PEFT."""
+    run = peft_runs / "accelerate_peft_z3"
+    state, adapter = run / "state", run / "adapter"
+    reference = _tensors(run / "reference_adapter.safetensors")
+    n = len(reference)
+    assert n == LORA_KEYS and not (state / "adapter_config.json").exists()
+    cure = f"dsfix convert {state} --config {adapter} --output OUT"
+    code, _, stderr = _cli("convert", adapter)
+    assert code == 1 and _lines(stderr) == [
+        f"not converted {adapter}: adapter_model.safetensors holds {n} of {n} tensors empty (ZeRO-3 partitions, "
+        "not gathered); nothing written", f"it is in the engine files beside it: {cure}"]
+    code, _, stderr = _cli("verify", adapter)
+    assert code == 1 and _lines(stderr)[-1].endswith(f"beside it: {cure}")
+
+    for args, said in (([], f"{adapter}: beside the checkpoint, the one whose PEFT model saves its parameters"),
+                       (["--config", adapter], f"--config {adapter}")):
+        out = tmp_path / f"out{len(args)}"
+        code, stdout, stderr = _cli("convert", state, *args, "--output", out, "--json")
+        assert code == 0, stderr[-3000:]
+        lines = _lines(stderr)
+        assert lines[1] == f"adapter_config.json from {said}" and lines[-1].endswith(f"{n} tensors, float32, the "
+                                                                                      "LoRA adapter")
+        written = _tensors(out / "adapter_model.safetensors")
+        assert written.keys() == reference.keys() and all(_equal(written[k], reference[k]) for k in reference)
+        assert _peft_load(peft_runs / "base", out)[1:] == ([], [])
+
+
+def test_accelerates_state_with_two_adapter_configs_beside_is_refused_in_one_line(peft_runs, tmp_path):
+    """Beside a copy of the state folder: the run's adapter_config.json, one of another rank (not its shapes: not a
+    match) and one of another alpha (a match too): one line naming --config ADAPTER_DIR; without the last, the one
+    match is used."""
+    import shutil
+
+    run = peft_runs / "accelerate_peft_z3"
+    state = tmp_path / "run" / "state"
+    shutil.copytree(run / "state", state)
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    for name, change in (("mine", {}), ("other_rank", {"r": 8}), ("other_alpha", {"lora_alpha": 32})):
+        (tmp_path / "run" / name).mkdir()
+        (tmp_path / "run" / name / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    code, _, stderr = _cli("convert", state, "--output", tmp_path / "out")
+    line = f"dsfix: error: {state}: engine files of a PEFT model (accelerate's save_state?), no adapter_config.json "
+    assert code == 2 and _lines(stderr) == [
+        line + f"here, 2 beside them match ({tmp_path / 'run' / 'mine'}, {tmp_path / 'run' / 'other_alpha'}): pass "
+        "--config ADAPTER_DIR, the folder of the run's save_pretrained"]
+    shutil.rmtree(tmp_path / "run" / "other_alpha")
+    code, _, stderr = _cli("convert", state, "--output", tmp_path / "out")
+    assert code == 0 and f"adapter_config.json from {tmp_path / 'run' / 'mine'}: beside" in stderr, stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- dsfix on the other producers' folders
 
 
 def _lines(stderr: str) -> list:
-    """What dsfix printed on stderr, line by line: every line within 200 characters."""
+    """What dsfix printed on stderr, line by line: every line within 200 characters, the user's own paths aside
+    (each counted as one character)."""
     lines = stderr.splitlines()
-    assert [line for line in lines if len(line) > 200] == [], stderr
+    assert [line for line in lines if len(re.sub(r"/[^\s:,()]+", "/", line)) > 200] == [], stderr
     return lines
 
 

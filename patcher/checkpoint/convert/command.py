@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from patcher.checkpoint.convert.peft import adapter_beside, given_adapter, is_peft_engine, peft_run
 from patcher.checkpoint.convert.peft import reader_of as peft_reader_of
 from patcher.checkpoint.convert.report import (
     BIN_ALONE,
@@ -31,6 +32,7 @@ from patcher.checkpoint.convert.report import (
     CheckpointResult,
     ConvertReport,
     ConvertStatus,
+    EmptyAdapterResult,
     FolderResult,
     ModelFolderResult,
 )
@@ -46,7 +48,7 @@ from patcher.checkpoint.names import (
 from patcher.checkpoint.readers.bin import BinFolder, bin_files
 from patcher.checkpoint.readers.find import (
     Chosen,
-    adapter_folder,
+    adapter_configs_beside,
     choose_checkpoint,
     choose_model_folder,
     config_for,
@@ -148,31 +150,38 @@ def convert_checkpoint(path, config, *, output=None, tag: Optional[str] = None, 
     model, or a PEFT run's adapter (merged into its base with ``merge``)."""
     from patcher.checkpoint.quiet import quiet
     from patcher.checkpoint.readers import open_step
-    from patcher.checkpoint.readers.peft import PeftRun, read_adapter_config
+    from patcher.checkpoint.readers.peft import read_adapter_config
     from patcher.checkpoint.steps import lora
 
     chosen = choose_checkpoint(path, tag) or Chosen(Path(path), tag, "")
     output = _check_output(path, output, lora_scaling)
     step, step_tag, _ = step_folder(chosen.path, chosen.tag)
-    peft = adapter_folder(chosen.path, step)
-    _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora)
-    own = False
-    if peft is None:
-        config, own = config_for(chosen, config)
+    root = step.parent if step != chosen.path else chosen.path
+    peft, config, found = given_adapter(chosen.path, step, config)
+    # where no adapter_config.json is beside or near, a missing config or a PEFT option is refused before torch
+    late = peft is None and bool(adapter_configs_beside(root))
+    _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora, late)
+    config, own = config_for(chosen, config) if peft is None and not late else (config, False)
     with quiet():
         source = open_step(step, step_tag)
+        if peft is None and is_peft_engine(source):  # accelerate's save_state: adapter_config.json beside, or one line
+            peft, found = adapter_beside(source, root, base)
+            _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora)
         if peft is not None:
             adapter = read_adapter_config(peft) or {}
-            reader, model, config = peft_reader_of(PeftRun(source, adapter, peft), adapter, peft, base, merge)
+            run, model = peft_run(source, adapter, peft, base)
+            reader, model, config = peft_reader_of(run, adapter, peft, base, merge, model)
         else:
+            if late:
+                _check_peft_options(peft, config, base, merge, lora_scaling, keep_lora)
+                config, own = config_for(chosen, config)
             model = _config_model(source, config, own)
             reader = lora.fused(source, lora_scaling, keep_lora)
-        root = step.parent if step != chosen.path else chosen.path
         described = CheckpointResult(
             path=str(path), output=str(output), status=ConvertStatus.FAILED, ok=False, kind=_kind(source, peft, merge),
             tag=source.tag, world=source.world, stage=source.stage, precision=source.precision, strategy=strategy,
             checkpoint=str(chosen.path), chosen=chosen.note, producer=producer_of(root), config=str(config),
-            config_own=own, lora=reader.info() if isinstance(reader, lora.FusedLoRA) else None)
+            config_own=own, lora=reader.info() if isinstance(reader, lora.FusedLoRA) else None, adapter_from=found)
         return _into_output(reader, model, output, config, dtype, described, load=load, console=console,
                             max_shard_size=max_shard_size, progress_min_bytes=progress_min_bytes)
 
@@ -194,13 +203,17 @@ def _kind(source: Any, peft: Optional[Path], merge: bool) -> str:
     return "deepspeed-universal-checkpoint" if source.kind == "universal" else "deepspeed-engine-checkpoint"
 
 
-def _check_peft_options(peft: Optional[Path], config, base, merge: bool, lora_scaling, keep_lora: bool) -> None:
-    """--base and --merge are a PEFT run's; --config, --lora-scaling and --keep-lora are not."""
+def _check_peft_options(peft: Optional[Path], config, base, merge: bool, lora_scaling, keep_lora: bool,
+                        later: bool = False) -> None:
+    """--base and --merge are a PEFT run's; --config, --lora-scaling and --keep-lora are not (``later``: whether it
+    is a PEFT run is not known yet)."""
+    if later:
+        return
     if peft is None:
         given = [o for o, v in (("--base", base is not None), ("--merge", merge)) if v]
         if given:
-            raise DsfixError(f"{' and '.join(given)}: for a PEFT run (adapter_config.json beside the engine files); "
-                             "this checkpoint has none")
+            raise DsfixError(f"{' and '.join(given)}: for a PEFT run, whose adapter_config.json is beside the engine "
+                             "files or given by --config ADAPTER_DIR; this checkpoint has none")
         return
     given = [o for o, v in (("--config", config is not None), ("--lora-scaling", lora_scaling is not None),
                             ("--keep-lora", keep_lora)) if v]
@@ -246,10 +259,15 @@ def convert_adapter_folder(path, *, output=None, tag: Optional[str] = None, dtyp
                            progress_min_bytes: int = PROGRESS_MIN_BYTES) -> Any:
     """An adapter folder: nothing to convert (it is what PEFT loads), or with ``merge`` its base model with the
     adapter merged in, into ``output``."""
+    from patcher.checkpoint.check.adapter import empty_cause, recovery
     from patcher.checkpoint.quiet import quiet
     from patcher.checkpoint.readers.peft import ADAPTER_WEIGHTS, read_adapter_config
     from patcher.checkpoint.readers.safetensors import SafetensorsFolder
 
+    with SafetensorsFolder(Path(path), single=ADAPTER_WEIGHTS) as held:
+        cause = empty_cause(held.header)
+    if cause:  # PEFT's save of ZeRO-3's partitions: never called an adapter
+        return EmptyAdapterResult(str(path), cause, recovery(Path(path)))
     if not merge:
         note = f"it is a PEFT adapter folder already ({ADAPTER_WEIGHTS}); check it with dsfix verify {path}"
         return ConvertReport(str(path), strategy, (FolderResult(str(path), ConvertStatus.NOTHING, True, note=note,

@@ -162,6 +162,7 @@ class CheckpointResult(Result, Checks):
     config_own: bool = False  # that folder is the checkpoint's own (the Trainer's), not --config
     lora: Optional[dict] = None  # DeepSpeed-Chat LoRA layers fused: layers, ranks, lora_scaling, dtype, kept
     sources: tuple = ()  # a .bin folder's files read (pytorch_model.bin, or the shards)
+    adapter_from: str = ""  # a PEFT run's adapter_config.json: how it was found where not beside the engine files
     verb = "convert"
     warnings = ()
 
@@ -203,9 +204,9 @@ class CheckpointResult(Result, Checks):
         if self.kind in FORMS:
             lines.append(f"{label}: {FORMS[self.kind]}")
         elif self.kind == "peft-merged":
-            lines.append(f"{label}: a PEFT LoRA adapter merged into its base {self.config}")
+            lines.append(f"{label}: a PEFT adapter merged into its base {self.config}")
         elif self.kind == "peft-adapter":
-            lines.append(f"{label}: a PEFT LoRA run ({self.tag}, {stage}, {self.world} rank(s){saved}): its adapter "
+            lines.append(f"{label}: a PEFT run ({self.tag}, {stage}, {self.world} rank(s){saved}): its adapter "
                          "from the engine files")
         elif self.kind == "deepspeed-universal-checkpoint":
             lines.append(f"{label}: a DeepSpeed universal checkpoint ({self.tag}, made by ds_to_universal from a "
@@ -213,12 +214,15 @@ class CheckpointResult(Result, Checks):
         else:
             lines.append(f"{label}: a DeepSpeed engine checkpoint ({self.tag}, {stage}, {self.world} rank(s), "
                          f"{self.precision} optimizer states{saved})")
+        if self.adapter_from:
+            lines.append(f"adapter_config.json from {self.adapter_from}")
+        written = f"written to {self.output}" if self.ok else ""  # said once the write is committed
         if self.kind.startswith("peft-"):  # the adapter's own files, or the base the line above names
-            lines.append(f"written to {self.output}")
+            lines += [written] if written else []
         else:
             where = ("its own folder" if self.kind in FORMS else "the checkpoint's own folder") if self.config_own \
                 else f"--config {self.config}"
-            lines.append(f"config from {where}; written to {self.output}")
+            lines.append(f"config from {where}" + (f"; {written}" if written else ""))
         return "\n".join(lines)
 
     def body(self) -> dict:
@@ -227,6 +231,7 @@ class CheckpointResult(Result, Checks):
                 "precision": self.precision, "dtype": self.dtype, "strategy": self.strategy, "tensors": self.tensors,
                 "lora": self.lora, "checkpoint": self.checkpoint, "chosen": self.chosen or None,
                 "producer": self.producer or None, "config": self.config, "config_from_checkpoint": self.config_own,
+                "adapter_from": self.adapter_from or None,
                 "written": list(self.written), "bytes_written": self.bytes_written,
                 "note": self.note, "checks": [c._asdict() for c in self.checks]}
 
@@ -280,3 +285,36 @@ class ModelFolderResult(Result):
             out.print(f"chose {self.chosen}", markup=False)
         out.print(self.message, markup=False)
         out.print(f"check it with: {self.next_step}", markup=False)
+
+
+# --------------------------------------------------------------------------- a PEFT adapter folder with no adapter
+
+
+@dataclass(frozen=True)
+class EmptyAdapterResult(Result):
+    """``dsfix convert`` of a PEFT adapter folder whose ``adapter_model.safetensors`` holds no adapter (0 tensors, or
+    tensors of 0 elements: PEFT's save of ZeRO-3's partitions): not converted, exit 1, the cause and the convert
+    that recovers the adapter from the run's engine files."""
+
+    path: str
+    cause: str
+    cure: str  # where the adapter is, and the convert that recovers it
+    verb = "convert"
+    warnings = ()
+    ok = False
+
+    @property
+    def status(self) -> ConvertStatus:
+        return ConvertStatus.FAILED
+
+    @property
+    def message(self) -> str:
+        return f"not converted {self.path}: {self.cause}; nothing written"
+
+    def body(self) -> dict:
+        return {"path": self.path, "kind": "peft-adapter-folder", "ok": self.ok, "cause": self.cause,
+                "next": self.cure}
+
+    def render(self, out: Any, opts: dict) -> None:
+        out.print(self.message, markup=False)
+        out.print(self.cure, markup=False)

@@ -219,7 +219,8 @@ def config_for(chosen: Chosen, config) -> tuple[Path, bool]:
     root = step.parent if step != chosen.path else chosen.path
     who = {"accelerate": "accelerate's save_state writes none", "trainer": "this checkpoint-N has none"}.get(
         producer_of(root), "engine.save_checkpoint writes none")
-    raise DsfixError(f"no {CONFIG_NAME} here ({who}): convert needs --config MODEL_DIR, the model's folder",
+    peft = " (ADAPTER_DIR for PEFT)" if producer_of(root) == "accelerate" else ""
+    raise DsfixError(f"no {CONFIG_NAME} here ({who}): convert needs --config MODEL_DIR, the model's folder{peft}",
                      path=str(chosen.path))
 
 
@@ -238,6 +239,30 @@ def adapter_folder(path, step: Path) -> Optional[Path]:
         if (folder / ADAPTER_CONFIG).is_file():
             return folder
     return None
+
+
+def _beside(folder: Path) -> list:
+    """The folders near ``folder`` where a run keeps its other saves: its parent, its siblings, its subfolders."""
+    folder = Path(folder).resolve()
+    near = [folder.parent]
+    for root in (folder.parent, folder):
+        try:
+            near += sorted(p for p in root.iterdir() if p.is_dir() and p != folder)
+        except OSError:
+            pass
+    return near
+
+
+def engine_files_beside(folder) -> list:
+    """The DeepSpeed checkpoints (accelerate's ``save_state`` folders among them) beside an adapter folder that
+    ``save_pretrained`` wrote: in its parent, its siblings or its subfolders."""
+    return [p for p in _beside(folder) if is_engine_checkpoint(p)]
+
+
+def adapter_configs_beside(folder) -> list:
+    """The folders holding an ``adapter_config.json`` beside a checkpoint (an accelerate ``save_state`` folder):
+    its parent, its siblings, its subfolders."""
+    return [p for p in _beside(folder) if (p / ADAPTER_CONFIG).is_file()]
 
 
 def contents(folder) -> str:
