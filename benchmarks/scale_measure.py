@@ -113,6 +113,55 @@ def available():
     return None
 
 
+def memory_cgroup(limit):
+    """A memory cgroup of its own under this process's, limited to ``limit`` bytes (cgroup v1's
+    memory.limit_in_bytes, or v2's memory.max): the kernel then stops the tree at the limit however fast it
+    allocates, and its OOM killer chooses only among the tree's processes. Its path, or None where none can be
+    made (not root, no memory controller): the sampling guard alone then."""
+    try:
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    found = [(h, c, p) for h, c, p in (line.split(":", 2) for line in lines)]
+    tries = [("/sys/fs/cgroup/memory" + p, "memory.limit_in_bytes") for _, c, p in found if "memory" in c.split(",")]
+    tries += [("/sys/fs/cgroup" + p, "memory.max") for h, c, p in found if h == "0" and not c]
+    for base, knob in tries:
+        path = os.path.join(base, "dsfix-bench-%d" % os.getpid())
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, knob), "w") as handle:
+                handle.write("%d\n" % int(limit))
+            return path
+        except OSError:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+    return None
+
+
+def _oom_kills(cgroup):
+    for name in ("memory.oom_control", "memory.events"):
+        try:
+            with open(os.path.join(cgroup, name)) as handle:
+                for line in handle:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except OSError:
+            continue
+    return 0
+
+
+def _remove_cgroup(cgroup):
+    for _ in range(50):  # the killed tree's last processes leave it within moments
+        try:
+            os.rmdir(cgroup)
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def run_tree(argv, limit=None, cwd=None, env=None, timeout=None, reserve=RESERVE):
     """Runs ``argv`` (its own session) to its end, or kills its whole tree past ``limit`` anonymous bytes, when
     the machine's available memory falls under ``reserve`` bytes (others' work is not this run's to push out), or
@@ -120,9 +169,16 @@ def run_tree(argv, limit=None, cwd=None, env=None, timeout=None, reserve=RESERVE
     (bytes, or None), timed_out, stdout, stderr (its tail)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = dict(os.environ if env is None else env, NO_COLOR="1", TOKENIZERS_PARALLELISM="false")
+    cgroup = memory_cgroup(limit) if limit is not None else None
+
+    def enter():  # in the child, before it runs argv: it and all it starts are held by the cgroup
+        if cgroup is not None:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as handle:
+                handle.write(str(os.getpid()))
+
     start = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=enter)
     out_chunks, err_chunks = [], []
     import threading
 
@@ -147,9 +203,13 @@ def run_tree(argv, limit=None, cwd=None, env=None, timeout=None, reserve=RESERVE
     wall = time.perf_counter() - start
     for t in readers:
         t.join(5)
+    if cgroup is not None:
+        if _oom_kills(cgroup) and killed_at is None:
+            killed_at = limit  # the kernel stopped it at the cgroup's limit
+        _remove_cgroup(cgroup)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": wall, "cpu_s": cpu, "anon_peak": anon_peak, "file_peak": file_peak,
+    return {"wall_s": wall, "cpu_s": cpu, "anon_peak": anon_peak, "file_peak": file_peak, "cgroup": cgroup is not None,
             "returncode": proc.returncode, "killed_at": killed_at, "timed_out": timed_out,
             "stdout": "".join(out_chunks), "stderr": "".join(err_chunks)[-3000:]}
 
