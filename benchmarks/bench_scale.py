@@ -185,18 +185,28 @@ def goals(cases):
     return "\n".join(lines)
 
 
+def _fit(xs, ys, at):
+    """The least-squares line through (xs, ys), read at ``at``."""
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if n > 1 and sxx else 0.0
+    return my + slope * (at - mx)
+
+
 def extrapolate(cases, params=70e9):
-    """Convert's memory and time / floor at ``params``, from the measured ZeRO-3 cases: the largest anon peak
-    seen (it does not grow with the model) and the median time / floor; labelled as extrapolated."""
-    ok = [c for c in cases if c["stage"] == 3 and c["results"]["convert"].get("ok")]
-    if not ok:
+    """Convert's peak anonymous memory, its time and the disk floor's at ``params``: straight lines fitted to
+    the ZeRO-3 8-rank cases (memory grows with the largest tensor's slice, time with the bytes); labelled as
+    extrapolated wherever shown."""
+    ok = [c for c in cases if (c["stage"], c["world"]) == (3, 8) and c["results"]["convert"].get("ok")]
+    if len(ok) < 2:
         return None
-    per_byte = [c["results"]["floor"]["floor_s"] / c["master_bytes"] for c in ok]
-    ratios = sorted(c["results"]["convert"]["wall_s"] / c["results"]["floor"]["floor_s"] for c in ok)
-    anon = max(c["results"]["convert"]["anon_peak"] for c in ok)
-    floor_s = sorted(per_byte)[len(per_byte) // 2] * params * 4
-    return {"params": params, "anon_gib": anon / measure.GIB, "ratio": ratios[len(ratios) // 2],
-            "floor_s": floor_s, "convert_s": floor_s * ratios[len(ratios) // 2]}
+    xs = [c["params"] for c in ok]
+    conv = [c["results"]["convert"] for c in ok]
+    floor_s = _fit(xs, [c["results"]["floor"]["floor_s"] for c in ok], params)
+    convert_s = _fit(xs, [r["wall_s"] for r in conv], params)
+    return {"params": params, "anon_gib": _fit(xs, [r["anon_peak"] for r in conv], params) / measure.GIB,
+            "floor_s": floor_s, "convert_s": convert_s, "ratio": convert_s / floor_s,
+            "cpu_s": _fit(xs, [r["cpu_s"] for r in conv], params)}
 
 
 def main(argv=None):
@@ -285,9 +295,11 @@ def print_report(saved, args):
     print(goals(cases))
     guess = extrapolate(cases)
     if guess:
-        print("- extrapolated, not measured: at 70B (280 GB of fp32 masters) convert needs about %.1f GiB of "
-              "anonymous memory and about %.2fx the time to read the masters once and write the output "
-              "(%.0f min on this disk)" % (guess["anon_gib"], guess["ratio"], guess["convert_s"] / 60))
+        print("- extrapolated, not measured (lines fitted to ZeRO-3, 8 ranks, 0.6B to 8B): at 70B (280 GB of fp32 "
+              "masters) convert needs about %.1f GiB of anonymous memory and about %.1fx the disk floor's time "
+              "(%.0f min against %.0f min here; %.0f min of CPU)" % (guess["anon_gib"], guess["ratio"],
+                                                                     guess["convert_s"] / 60, guess["floor_s"] / 60,
+                                                                     guess["cpu_s"] / 60))
 
 
 if __name__ == "__main__":

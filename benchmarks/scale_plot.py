@@ -43,8 +43,8 @@ def _panel(ax, cases, field):
         for x, y, killed in pts:
             if killed:
                 ax.plot([x], [y], "x", color=color, markersize=14, markeredgewidth=3)
-                ax.annotate("killed at %.0f GiB" % y, (x, y), textcoords="offset points", xytext=(-10, 8),
-                            ha="right", color=color, fontsize=9)
+                ax.annotate("killed at %.1f GiB (the limit)" % y, (x, y), textcoords="offset points", xytext=(-12, -4),
+                            ha="right", va="top", color=color, fontsize=9)
     for x, t, mem, what in _others(cases):
         ax.plot([x], [t if field == "time" else mem], "o", mfc="none", color="#1f77b4", markersize=10)
         ax.annotate("convert, " + what, (x, t if field == "time" else mem), textcoords="offset points",
@@ -52,7 +52,7 @@ def _panel(ax, cases, field):
     ax.set_xlabel("parameters (billions; Qwen3 0.6B, 1.7B, 4B, 8B shapes)")
     ax.grid(True, alpha=0.3)
     ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
 
 
 def draw(cases, path, guess=None):
@@ -66,19 +66,19 @@ def draw(cases, path, guess=None):
         return "no plot: matplotlib is not installed (pip install matplotlib)"
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
     _panel(left, cases, "time")
-    left.set_ylabel("wall time, cold page cache (s)")
-    left.set_title("Time: convert follows the disk floor")
+    left.set_ylabel("seconds")
+    left.set_title("Wall time, cold page cache (2 shared cores: CPU-bound methods stretched)")
     _panel(right, cases, "memory")
     right.axhline(1.0, color="#1f77b4", linestyle=":", linewidth=1)
     right.annotate("1 GiB", (0.1, 1.0), textcoords="offset points", xytext=(0, 3), fontsize=8, color="#1f77b4")
     right.set_ylabel("peak anonymous memory of the process tree (GiB)")
-    right.set_title("Memory: convert stays flat")
+    right.set_title("Peak anonymous memory: convert stays under 1 GiB")
     left.legend(loc="upper left", fontsize=9)
-    note = ("ZeRO-3, 8 ranks, synthetic bf16 checkpoints (fp32 masters); one method at a time; "
-            "x: killed by the benchmark's memory guard")
+    note = ("ZeRO-3, 8 ranks, synthetic bf16 checkpoints (fp32 masters); one method at a time; hollow circles: "
+            "convert on 64 ranks and ZeRO-2; x: killed by the benchmark's memory limit; the floor's memory is ~0")
     if guess:
-        note += ("\nextrapolated, not measured: 70B needs about %.1f GiB and %.2fx the disk floor to convert"
-                 % (guess["anon_gib"], guess["ratio"]))
+        note += ("\nextrapolated from these lines, not measured: converting 70B needs about %.1f GiB and %.1fx the "
+                 "disk floor's time" % (guess["anon_gib"], guess["ratio"]))
     fig.text(0.5, 0.01, note, ha="center", fontsize=9)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
