@@ -21,7 +21,6 @@ from typing import Any, ClassVar, Optional
 import patcher.checkpoint.readers.refuse as refuse
 from patcher.checkpoint.readers.base import Held, Put, Reader, numel
 from patcher.checkpoint.readers.load import load_deepspeed
-from patcher.checkpoint.readers.readahead import ReadAhead
 from patcher.errors import DsfixError
 
 OPTIM_RE = re.compile(r"^(?:(?P<prec>bf16|fp16|fp32)_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)"
@@ -202,27 +201,22 @@ class EngineReader(Reader):
     def stream(self, put: Put, workdir: Optional[Path] = None) -> None:
         """Each rank's optimizer file, one at a time: its flat partitions, piece by piece, then its share of the
         frozen parameters and, on rank 0, the buffers."""
-        self._pieces_of: Optional[tuple] = None  # (rank 0's pieces, its flat sizes): where each element goes
-        with ReadAhead(self.optim_files) as ahead:  # the disk reads the next rank's file while this one is cast
-            for rank, path in enumerate(self.optim_files):
-                ahead.using(rank)
-                self._stream_rank(rank, path, put)
-
-    def _stream_rank(self, rank: int, path: Path, put: Put) -> None:
-        osd = load_deepspeed(path).get("optimizer_state_dict")
-        self._stage_of(osd, path, self.stage)
-        refuse.optimizer_states(osd, path)
-        flat = self._flat_groups(osd, path)
-        sizes = [t.numel() for t in flat]
-        if self._pieces_of is None:
-            self._pieces_of = (self._pieces(sizes, osd, path), sizes)
-        elif sizes != self._pieces_of[1]:
-            raise DsfixError(f"its flat partitions hold {sizes} elements, rank 0's {self._pieces_of[1]}: files of two "
-                             "saves?", path=str(path))
-        for p in (p for p in self._pieces_of[0] if p.rank == rank):
-            put(p.name, p.dst, flat[p.group].narrow(0, p.src, p.length))
-        del osd, flat
-        self.stream_frozen(rank, put)
+        pieces, sizes0 = None, None
+        for rank, path in enumerate(self.optim_files):
+            osd = load_deepspeed(path).get("optimizer_state_dict")
+            self._stage_of(osd, path, self.stage)
+            refuse.optimizer_states(osd, path)
+            flat = self._flat_groups(osd, path)
+            sizes = [t.numel() for t in flat]
+            if pieces is None:
+                pieces, sizes0 = self._pieces(sizes, osd, path), sizes
+            elif sizes != sizes0:
+                raise DsfixError(f"its flat partitions hold {sizes} elements, rank 0's {sizes0}: files of two saves?",
+                                 path=str(path))
+            for p in (p for p in pieces if p.rank == rank):
+                put(p.name, p.dst, flat[p.group].narrow(0, p.src, p.length))
+            del osd, flat
+            self.stream_frozen(rank, put)
 
     def _flat_groups(self, osd: dict, path: Path) -> list:
         """The rank's flat fp32 partitions, one 1-D tensor a parameter group."""
