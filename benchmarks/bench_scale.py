@@ -119,12 +119,13 @@ def run_case(stage, world, size, args, work):
     case["output_bytes"] = scale_ckpt.output_bytes(config)
     case["largest_bytes"] = max(n for n in scale_ckpt.tensor_bytes(config))
     out, z2f = os.path.join(work, "out"), os.path.join(work, "z2f")
+    wanted = args.methods.split(",")
     results = {"floor": _floor(case, work, args), "convert": _convert(case, out, args)}
-    results["verify"] = _verify(out, args) if results["convert"]["ok"] else None
-    compare = size in args.compare.split(",") or args.quick
+    results["verify"] = _verify(out, args) if results["convert"]["ok"] and "verify" in wanted else None
+    compare = (size in args.compare.split(",") or args.quick) and "zero_to_fp32" in wanted
     if not compare:
         shutil.rmtree(out, ignore_errors=True)
-    results["zero_to_fp32"] = _zero_to_fp32(case, z2f, args)
+    results["zero_to_fp32"] = _zero_to_fp32(case, z2f, args) if "zero_to_fp32" in wanted else None
     if compare and results["convert"]["ok"] and results["zero_to_fp32"]["ok"]:
         case["bit_equal"] = _compare(out, z2f, args)
     for path in (out, z2f, case["root"]):
@@ -155,14 +156,14 @@ def report(cases):
     for case in sorted(cases, key=lambda c: (-c["stage"], c["world"], c["params"])):
         r = case["results"]
         floor = r["floor"]["floor_s"]
-        ratio = [("%.2f" % (r[m]["wall_s"] / floor) if r[m] and not r[m].get("killed_at") else "-")
+        ratio = [("%.2f" % (r[m]["wall_s"] / floor) if r.get(m) and not r[m].get("killed_at") else "-")
                  for m in ("convert", "zero_to_fp32")]
         bit = case.get("bit_equal")
         rows.append(["ZeRO-%d, %d, %s" % (case["stage"], case["world"], case["size"]), "%.2f" % (case["params"] / 1e9),
                      "%.1f (%.1f + %.1f)" % (floor, r["floor"]["read_s"], r["floor"]["write_s"])]
                     + [_cell(r["convert"], f) for f in ("wall_s", "cpu_s", "anon_peak", "file_peak")] + [ratio[0]]
-                    + [_cell(r["verify"], f) for f in ("wall_s", "anon_peak")]
-                    + [_cell(r["zero_to_fp32"], f) for f in ("wall_s", "anon_peak")] + [ratio[1]]
+                    + [_cell(r.get("verify"), f) for f in ("wall_s", "anon_peak")]
+                    + [_cell(r.get("zero_to_fp32"), f) for f in ("wall_s", "anon_peak")] + [ratio[1]]
                     + ["-" if bit is None else ("yes (%d tensors)" % bit["compared"] if bit["ok"] else "NO")])
     header = ["stage, ranks, model", "params (B)", "disk floor s (read + write)", "convert s", "convert CPU s",
               "convert anon MiB", "convert file MiB", "convert / floor", "verify s", "verify anon MiB",
@@ -214,6 +215,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="the narrow Qwen3, ZeRO-3 on 8 ranks: a smoke test")
     parser.add_argument("--cases", default=None, help="STAGE:RANKS:SIZE,... (default: %s)" % CASES)
     parser.add_argument("--compare", default="0.6B,4B", help="sizes compared bit for bit with zero_to_fp32's output")
+    parser.add_argument("--methods", default="floor,convert,verify,zero_to_fp32",
+                        help="the disk floor and convert always; verify and zero_to_fp32 where named")
     parser.add_argument("--limit-gib", type=float, default=19.0, help="kill a method past this anonymous memory")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a method may take")
     parser.add_argument("--tmpdir", default=None, help="where the checkpoints go (default: the system's)")

@@ -199,12 +199,13 @@ def report(saves):
     rows, lines = [], []
     for size, runs in saves.items():
         mine, theirs = runs["dsfix"], runs["deepspeed"]
-        if mine.get("error"):
-            lines.append("- %s: the dsfix launch failed: %s" % (size, mine["error"].strip().splitlines()[-1:]))
+        if "save_s" not in mine:
+            lines.append("- %s: the dsfix launch did not finish: %s" % (size, _deepspeed_cell(mine)))
             continue
         equal = mine["bit_equal"]
         rows.append([size, "%.0f" % (mine["model_bytes"] / common.MIB), "%.0f" % (mine["largest_bytes"] / common.MIB),
                      "%.1f" % mine["largest_gather_s"], _mib(mine["largest_gather_peak"]), "%.1f" % mine["gathers_s"],
+                     _mib(mine["gathers_peak"]),
                      "%.1f" % mine["write_floor_s"], "%.1f" % mine["save_s"], _mib(mine["save_peak"]),
                      "%d of %d" % (sum(equal.values()), len(equal)), _deepspeed_cell(theirs)])
         bound = mine["largest_gather_peak"] + 256 * common.MIB
@@ -215,7 +216,8 @@ def report(saves):
                               else "MISS", mine["save_s"], mine["gathers_s"], mine["write_floor_s"], 1.5 * floor,
                               "PASS" if mine["save_s"] <= 1.5 * floor else "MISS"))
     header = ["model", "model MiB (bf16)", "largest tensor MiB", "gather of the largest s",
-              "its rank-0 peak above MiB", "gathers alone s", "write floor s", "dsfix save s",
+              "its rank-0 peak above MiB", "gathers alone s", "their rank-0 peak above MiB", "write floor s",
+              "dsfix save s",
               "dsfix rank-0 peak above MiB", "tensors bit-equal to a gather",
               "DeepSpeed consolidated + torch.save"]
     return common.table(header, rows) + "\n\n" + "\n".join(lines)
@@ -225,8 +227,8 @@ def _deepspeed_cell(res):
     if res.get("killed_at"):
         return "killed at %.1f GiB (both ranks, by the guard), after %.0f s" % (res["killed_at"] / measure.GIB,
                                                                               res["wall_s"])
-    if res.get("error"):
-        return "failed"
+    if "save_s" not in res:
+        return "failed: %s" % (res.get("error") or "").strip().splitlines()[-1:]
     return "%.1f s, rank-0 peak above %s MiB" % (res["save_s"], _mib(res["save_peak"]))
 
 
