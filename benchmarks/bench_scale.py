@@ -221,13 +221,14 @@ def main(argv=None):
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a method may take")
     parser.add_argument("--tmpdir", default=None, help="where the checkpoints go (default: the system's)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument("--from-json", default=None, help="report (and plot) these results; measure nothing")
+    parser.add_argument("--from-json", default=None,
+                        help="report (and plot) these results, A[,B...]: a later run's methods replace an earlier's "
+                             "in the same case; measure nothing")
     parser.add_argument("--save", default=None, help="also the ZeRO-3 save on 2 ranks at these sizes (e.g. 4B,8B)")
     parser.add_argument("--plot", default=None, help="draw time and memory against parameters here (matplotlib)")
     args = parser.parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as handle:
-            saved = json.load(handle)
+        saved = merged(args.from_json.split(","))
     else:
         saved = measure_all(args)
     print_report(saved, args)
@@ -246,6 +247,29 @@ def main(argv=None):
     failed = [c for c in saved["cases"] if not c["results"]["convert"].get("ok")
               or (c.get("bit_equal") is not None and not c["bit_equal"]["ok"])]
     return 1 if failed else 0
+
+
+def merged(paths):
+    """Saved runs as one: a case (stage, ranks, size) a later run measured takes that run's methods (its floor
+    with them, so each ratio stays within one run); the later run's saves likewise."""
+    saved = None
+    for path in paths:
+        with open(path) as handle:
+            run = json.load(handle)
+        if saved is None:
+            saved = run
+            continue
+        known = {(c["stage"], c["world"], c["size"]): c for c in saved["cases"]}
+        for case in run["cases"]:
+            old = known.get((case["stage"], case["world"], case["size"]))
+            if old is None:
+                saved["cases"].append(case)
+                continue
+            old["results"].update((m, r) for m, r in case["results"].items() if r is not None)
+            old.setdefault("runs", []).append(run["command"])
+        saved["command"] += " + " + run["command"]
+        saved.update({"saves": run["saves"]} if run.get("saves") else {})
+    return saved
 
 
 def measure_all(args):
