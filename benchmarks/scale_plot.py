@@ -45,10 +45,12 @@ def _panel(ax, cases, field):
                 ax.plot([x], [y], "x", color=color, markersize=14, markeredgewidth=3)
                 ax.annotate("killed at %.1f GiB (the limit)" % y, (x, y), textcoords="offset points", xytext=(-12, -4),
                             ha="right", va="top", color=color, fontsize=9)
+    shown = set()
     for x, t, mem, what in _others(cases):
-        ax.plot([x], [t if field == "time" else mem], "o", mfc="none", color="#1f77b4", markersize=10)
-        ax.annotate("convert, " + what, (x, t if field == "time" else mem), textcoords="offset points",
-                    xytext=(6, -12), fontsize=8, color="#1f77b4")
+        marker = "s" if what.startswith("ZeRO-2") else "o"
+        ax.plot([x], [t if field == "time" else mem], marker, mfc="none", color="#1f77b4", markersize=11,
+                markeredgewidth=1.5, label=None if what in shown else "dsfix convert, " + what)
+        shown.add(what)
     ax.set_xlabel("parameters (billions; Qwen3 0.6B, 1.7B, 4B, 8B shapes)")
     ax.grid(True, alpha=0.3)
     ax.set_xlim(left=0)
@@ -74,8 +76,11 @@ def draw(cases, path, guess=None):
     right.set_ylabel("peak anonymous memory of the process tree (GiB)")
     right.set_title("Peak anonymous memory: convert stays under 1 GiB")
     left.legend(loc="upper left", fontsize=9)
-    note = ("ZeRO-3, 8 ranks, synthetic bf16 checkpoints (fp32 masters); one method at a time; hollow circles: "
-            "convert on 64 ranks and ZeRO-2; x: killed by the benchmark's memory limit; the floor's memory is ~0")
+    note = ("lines: ZeRO-3, 8 ranks, synthetic bf16 checkpoints (fp32 masters); one method at a time; "
+            "x: killed by the benchmark's memory limit; the floor's memory is ~0")
+    runs = {r for c in cases for r in c.get("runs", [])}
+    if runs:
+        note += "\nwhere a case was measured again, its later run's methods are shown (docs/benchmarks.md)"
     if guess:
         note += ("\nextrapolated from these lines, not measured: converting 70B needs about %.1f GiB and %.1fx the "
                  "disk floor's time" % (guess["anon_gib"], guess["ratio"]))
