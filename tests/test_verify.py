@@ -270,3 +270,52 @@ def test_the_cli_shows_no_third_party_progress_bar(tmp_path, model):
     assert "%|" not in err and "Loading" not in err and "Warning" not in err, err
     assert err.rstrip().endswith("all checks hold: 311 tensors, causal LM (a Trainer's or accelerate's model, "
                                  "DeepSpeed-Chat's step-1 model or step-3 actor/EMA)")
+
+
+def _peak_anon_mib(args) -> tuple:
+    """(exit code, the peak anonymous memory in MiB) of ``python -m patcher ARGS``, read from
+    /proc/PID/status (RssAnon) every few milliseconds while it runs."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "patcher", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                anon = [int(line.split()[1]) for line in f if line.startswith("RssAnon:")]
+            peak = max([peak] + anon)
+        except OSError:
+            pass
+        time.sleep(0.005)
+    return proc.returncode, peak / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/PID/status")
+def test_verify_does_not_hold_the_model(tmp_path):
+    """dsfix verify of a 210 MiB bf16 folder (421 MiB in fp32, as a plain from_pretrained loads it) holds no
+    more anonymous memory than for a 2 MiB folder of the narrow layers, give or take a quarter of the files: a
+    whole-model load needs all 421 MiB more. The files' memory-mapped pages are the kernel's (file-backed) and
+    not counted."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(NARROW))
+    small = narrow_model("float32", seed=0)
+    write_folder(tmp_path / "small", small)
+    cfg.update({"hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 4,
+                "head_dim": 64, "torch_dtype": "bfloat16"})
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in type(small)(cfg).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {k: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for k, s in shapes.items()
+               if k != "lm_head.weight"}
+    big = tmp_path / "big"
+    big.mkdir()
+    save_file(tensors, str(big / "model.safetensors"), metadata={"format": "pt"})
+    cfg.to_json_file(str(big / "config.json"))
+    files_mib = sum(t.numel() * 2 for t in tensors.values()) / 2**20
+    del tensors
+    assert 200 < files_mib < 220
+    (rc_small, base), (rc_big, peak) = _peak_anon_mib(["verify", tmp_path / "small"]), _peak_anon_mib(["verify", big])
+    assert rc_small == 0 and rc_big == 0
+    assert peak - base < files_mib / 4, f"{peak:.0f} MiB against {base:.0f} MiB for {files_mib:.0f} MiB of files"

@@ -1,13 +1,17 @@
-"""Loading a model folder as its users will: ``from_pretrained``, or a critic into its module, ties kept."""
+"""Loading a model folder as its users will: ``from_pretrained``, or a critic into its module, ties kept.
+
+``dsfix verify`` and ``dsfix convert`` prove the load in the memory of the model's skeleton: ``from_pretrained``
+on the meta device (:func:`meta_load_check`), a critic over the files' memory-mapped pages
+(:func:`critic_load_check`). ``dsfix smoke``, which runs the model, loads it for real (``keep_model``)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from patcher.checkpoint.check.headers import Check
 from patcher.checkpoint.check.model import CRITIC, model_name
-from patcher.checkpoint.check.values import same_bits
 from patcher.checkpoint.names import CONFIG_NAME, examples, shape_text
 
 
@@ -26,46 +30,160 @@ def dtype_kwarg(version: Optional[str] = None) -> str:
 
 def load_check(path, *, dtype: Any = None, device: Any = None, keep_model: bool = False,
                attn_implementation: Optional[str] = None) -> tuple[Check, Any]:
-    """(Check, model or None): ``from_pretrained(path)`` loads with no missing, unexpected or mismatched keys,
-    and a config that says tied loads tied (see :func:`tie_on_load_check`). ``attn_implementation`` is passed
-    on when given: smoke compares logits with the attention the in-memory model ran."""
-    import logging
+    """(Check, model or None): ``from_pretrained(path)`` finds every key (none missing, unexpected or
+    mismatched), and a config that says tied loads tied (see :func:`tie_on_load_check`).
 
+    Without ``keep_model`` (``dsfix verify``, ``dsfix convert``) no weight is read: :func:`meta_load_check`.
+    With it (``dsfix smoke``, which runs the model), the model is loaded for real in ``dtype``, moved to
+    ``device``, and handed back; ``attn_implementation`` is passed on when given: smoke compares logits with
+    the attention the in-memory model ran."""
+    if not keep_model:
+        return meta_load_check(path, dtype=dtype), None
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     kwargs: dict = {"output_loading_info": True}
     if dtype is not None:
         kwargs[dtype_kwarg()] = dtype
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    try:
+        with _quiet():
+            model, info = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except Exception as e:
+        return _failed(e), None
+    problems = _problems(info)
+    if problems is not None:
+        return problems, model
+    untied = tie_on_load_check(model)
+    if untied is not None:
+        return untied, model
+    if device is not None:
+        model = model.to(device)
+    detail = "from_pretrained: no missing, unexpected or mismatched keys"
+    return Check("load", True, detail + (TIED_TEXT if _ties_embeddings(model) else "")), model
+
+
+TIED_TEXT = "; output embedding tied to the input embedding"
+META_TEXT = "from_pretrained on the meta device (the files' keys, shapes and dtypes; no weight read)"
+
+
+def meta_load_check(path, *, dtype: Any = None) -> Check:
+    """The "load" check of ``dsfix verify`` and ``dsfix convert``, in the memory of the model's skeleton.
+
+    transformers' own ``from_pretrained`` is handed the folder's config and a state dict of meta tensors, one
+    for each tensor the safetensors headers list (its shape and dtype), with ``device_map="meta"``: it renames
+    the keys (``_checkpoint_conversion_mapping``, ``base_model_prefix``), applies
+    ``_keys_to_ignore_on_load_*``, ties the embeddings and reports missing, unexpected and mismatched keys just
+    as when it reads the files, and nothing is materialised. ``dtype`` (default: the files' floating dtype)
+    is the dtype it loads in. What this cannot show: a fault in the data itself, which the value checks read."""
+    from patcher.checkpoint.readers.safetensors import SafetensorsFolder
+
+    try:
+        with SafetensorsFolder(Path(path)) as reader:
+            problems, held = list(reader.header.problems), dict(reader.tensors)
+    except Exception as e:
+        return _failed(e)
+    if problems:
+        return Check("load", False, f"from_pretrained cannot read the files: {examples(problems)}")
+    unknown = [k for k, h in held.items() if h.dtype is None]
+    if unknown:
+        return Check("load", False, f"tensors of a dtype torch does not know: {examples(unknown)}")
+    try:
+        model, info = _meta_from_pretrained(Path(path), held, dtype)
+    except Exception as e:
+        return _failed(e)
+    failed = _problems(info)
+    if failed is not None:
+        return failed
+    untied = tie_on_load_check(model)
+    tied = TIED_TEXT
+    if untied is not None:
+        if not _tied_by_values(Path(path), model):
+            return untied
+        tied += f" (transformers {_version()} ties a stored lm_head equal to it: bit-equal here)"
+    detail = f"{META_TEXT}: no missing, unexpected or mismatched keys"
+    return Check("load", True, detail + (tied if _ties_embeddings(model) else ""))
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _tied_by_values(folder: Path, model: Any) -> bool:
+    """Whether this transformers, loading the folder for real, would tie the output embedding that the meta
+    load left untied: from 5.4 on it ties a stored output embedding to the input embedding only when their
+    values are equal, which it cannot see on the meta device (it skips the pair). dsfix reads both, a block of
+    rows at a time. Before 5.4 the answer does not depend on the values: the meta load's is the answer."""
+    from patcher.checkpoint.check.values import stored_equal
+    from patcher.checkpoint.readers.safetensors import SafetensorsFolder
+
+    if tuple(int(x) for x in _version().split(".")[:2]) < (5, 4):
+        return False
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    inp, out = (names.get(id(m.weight), "") for m in (model.get_input_embeddings(), model.get_output_embeddings()))
+    with SafetensorsFolder(folder) as reader:
+        if inp not in reader.header.entries or out not in reader.header.entries:
+            return False
+        return stored_equal(reader, reader.header, inp, out)
+
+
+def _meta_from_pretrained(folder: Path, held: dict, dtype: Any) -> tuple[Any, dict]:
+    """(model on meta, loading info) of ``from_pretrained`` given meta tensors of ``held``'s shapes and dtypes."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    state = {k: torch.empty(h.shape, dtype=h.dtype, device="meta") for k, h in held.items()}
+    if dtype is None:
+        floating = {t.dtype for t in state.values() if t.is_floating_point()}
+        dtype = floating.pop() if len(floating) == 1 else torch.float32
+    with _quiet():
+        config = AutoConfig.from_pretrained(str(folder))
+        kind = AutoModelForCausalLM._model_mapping[type(config)]  # what AutoModelForCausalLM builds
+        kwargs: dict = {"config": config, "state_dict": state, "device_map": "meta", "output_loading_info": True,
+                        "ignore_mismatched_sizes": True, dtype_kwarg(): dtype}  # mismatches listed, not raised
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            kwargs["use_kernels"] = False  # 5.x kernelizes after loading, and refuses the meta device
+        return kind.from_pretrained(None, **kwargs)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' warnings off (its loading report would repeat what the check says)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    except Exception as e:
-        msg = " ".join(str(e).split())
-        return Check("load", False, f"from_pretrained failed: {type(e).__name__}: {msg[:400]}"), None
+        yield
     finally:
         hf_logging.set_verbosity(level)
-    kept = model if keep_model else None
+
+
+def _failed(e: Exception) -> Check:
+    msg = " ".join(str(e).split())
+    return Check("load", False, f"from_pretrained failed: {type(e).__name__}: {msg[:400]}")
+
+
+def _key_text(v: Any) -> str:
+    """A key of a loading info: 5.x gives a mismatched key as (key, stored shape, expected shape)."""
+    if isinstance(v, tuple) and len(v) == 3:
+        return f"{v[0]} (stored {shape_text(v[1])}, expected {shape_text(v[2])})"
+    return str(v)
+
+
+def _problems(info: dict) -> Optional[Check]:
+    """A failed "load" check naming the missing, unexpected and mismatched keys of a loading info, else None."""
     problems = []
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        vals = list(info.get(key) or [])
+        vals = sorted(_key_text(v) for v in (info.get(key) or []))
         if vals:
             problems.append(f"{key.replace('_', ' ')}: {examples(vals)}")
-    if problems:
-        return Check("load", False, "from_pretrained: " + "; ".join(problems)), kept
-    untied = tie_on_load_check(model)
-    if untied is not None:
-        return untied, kept
-    if device is not None:
-        model = model.to(device)
-        kept = model if keep_model else None
-    detail = "from_pretrained: no missing, unexpected or mismatched keys"
-    if _ties_embeddings(model):
-        detail += "; output embedding tied to the input embedding"
-    return Check("load", True, detail), kept
+    return Check("load", False, "from_pretrained: " + "; ".join(problems)) if problems else None
 
 
 def _text_config(model: Any) -> Any:
@@ -93,8 +211,10 @@ def tie_on_load_check(model: Any) -> Optional[Check]:
         return None
     if inp is None or out is None or getattr(out, "weight", None) is None:
         return None
-    if out.weight is inp.weight or out.weight.data_ptr() == inp.weight.data_ptr():
+    if out.weight is inp.weight:
         return None
+    if out.weight.device.type != "meta" and out.weight.data_ptr() == inp.weight.data_ptr():
+        return None  # two Parameters over one storage (on meta every data_ptr is 0: only identity tells)
     import transformers
 
     return Check("load", False, f"config.json says tie_word_embeddings, but transformers {transformers.__version__} "
@@ -108,8 +228,10 @@ def critic_load_check(reader: Any) -> Check:
 
     Builds :class:`patcher.checkpoint.check.critic.CriticModel` from config.json (parameters on meta, buffers
     real), loads every tensor of the files into it with ``load_state_dict(strict=True, assign=True)``, checks
-    that no parameter is left on meta and that each of the module's tensors holds its key's data, then runs it
-    on a few tokens: one finite value per token.
+    that no parameter is left on meta and that each of the module's tensors is its key's data, then runs it
+    on a few tokens: one finite value per token. The tensors are the files' own pages, memory-mapped
+    (:meth:`~patcher.checkpoint.readers.safetensors.SafetensorsFolder.mapped`), not copies: the process holds
+    no more than the activations of 8 tokens, whatever the model's size.
     """
     import torch
     from transformers import AutoConfig
@@ -122,8 +244,7 @@ def critic_load_check(reader: Any) -> Check:
     except Exception as e:
         return Check("load", False, f"cannot build the critic from {CONFIG_NAME}: {type(e).__name__}: {e}")
     try:
-        state = {key: reader.slice(key)[:] if reader.tensors[key].shape and 0 not in reader.tensors[key].shape
-                 else reader.slice(key) for key in reader.tensors}
+        state = {key: reader.mapped(key) for key in reader.tensors}
     except Exception as e:
         return Check("load", False, f"cannot read the weights: {type(e).__name__}: {e}")
     try:
@@ -135,9 +256,9 @@ def critic_load_check(reader: Any) -> Check:
     if left:
         return Check("load", False, f"{len(left)} tensors left unloaded: {examples(left)}")
     live = model.state_dict()
-    differ = [k for k, t in state.items() if not same_bits(live[k], t)]
+    differ = [k for k, t in state.items() if t.numel() and live[k].data_ptr() != t.data_ptr()]
     if differ:
-        return Check("load", False, f"{len(differ)} of the critic's tensors differ from the file's: {examples(differ)}")
+        return Check("load", False, f"{len(differ)} of the critic's tensors are not the file's: {examples(differ)}")
     vocab = int(getattr(model.config, "vocab_size", 8) or 8)
     ids = (torch.arange(8) % vocab).unsqueeze(0)
     try:
@@ -151,4 +272,5 @@ def critic_load_check(reader: Any) -> Check:
         return Check("load", False, f"the loaded critic gives values of shape {shape_text(values.shape)}, "
                                     f"{int((~torch.isfinite(values.float())).sum())} not finite")
     return Check("load", True, f"critic ({model_name(model, CRITIC)}) loaded with strict keys: {len(state)} tensors, "
-                               "none missing or unexpected, all equal to the files; one finite value per token")
+                               "none missing or unexpected, each the file's own (memory-mapped); "
+                               "one finite value per token")

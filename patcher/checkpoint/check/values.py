@@ -23,8 +23,10 @@ def row_blocks(shape, chunk_bytes: int = BLOCK_BYTES) -> Iterator[slice]:
 
 
 def blocks(reader: Any, name: str, shape: tuple) -> Iterator[Any]:
-    """The stored tensor ``name`` of a random-access reader, a block of rows at a time (0-d and empty: whole)."""
-    held = reader.slice(name)  # a 0-d or empty tensor comes whole
+    """The stored tensor ``name`` of a random-access reader, a block of rows at a time (0-d and empty: whole).
+    A reader that can memory-map its files (``mapped``) hands out views of the file's pages, not copies."""
+    mapped = getattr(reader, "mapped", None)
+    held = mapped(name) if mapped is not None else reader.slice(name)  # a 0-d or empty tensor comes whole
     if not shape or 0 in shape:
         yield held
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +135,14 @@ def read_headers(folder: Path, files: list, weight_map: Optional[dict]) -> Heade
     return head
 
 
+def _data_offsets(f: Any) -> dict:
+    """name -> (first byte, end) of each tensor's data in an open safetensors file, from its header."""
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+    return {k: (8 + size + v["data_offsets"][0], 8 + size + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
+
+
 class SafetensorsFolder(Reader):
     """A safetensors folder's tensors, from its headers; the data memory-mapped, read a block of rows at a time.
     Raises DsfixError when the folder holds no safetensors weights; other problems are in ``header.problems``."""
@@ -149,6 +158,7 @@ class SafetensorsFolder(Reader):
         self.indexed = weight_map is not None
         self._stack = ExitStack()
         self._open: dict = {}
+        self._maps: dict = {}  # file -> (its private memory map, name -> where its data lies in the file)
         import torch
 
         for key, (shape, code, _) in self.header.entries.items():
@@ -178,6 +188,26 @@ class SafetensorsFolder(Reader):
         handle = self._handle(file)
         return handle.get_slice(name) if shape and 0 not in shape else handle.get_tensor(name)
 
+    def mapped(self, name: str) -> Any:
+        """The stored tensor ``name`` over the file's own pages (a private memory map, nothing copied): its
+        bytes are read when used, and count as file-backed memory, which the kernel can drop, not as the
+        process's own. Writing to it changes a private copy, never the file."""
+        import torch
+
+        shape, _, file = self.header.entries[name]
+        dtype = self.tensors[name].dtype
+        if dtype is None:  # a dtype this torch does not know: safetensors' own reading says what it can
+            return self.slice(name)
+        if 0 in shape:
+            return torch.empty(shape, dtype=dtype)
+        if file not in self._maps:
+            with open(self.folder / file, "rb") as f:
+                self._maps[file] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), _data_offsets(f))
+        buffer, offsets = self._maps[file]
+        start, end = offsets[name]
+        count = (end - start) // torch.empty((), dtype=dtype).element_size()
+        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=start).reshape(shape)
+
     def stream(self, put: Put, workdir: Optional[Path] = None) -> None:
         for name in self.tensors:
             tensor = self._handle(self.header.entries[name][2]).get_tensor(name)
@@ -191,3 +221,4 @@ class SafetensorsFolder(Reader):
     def close(self) -> None:
         self._stack.close()
         self._open = {}
+        self._maps = {}  # a map stays open while a tensor over it lives
