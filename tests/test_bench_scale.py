@@ -62,8 +62,6 @@ def test_verify_passes(scale_run):
     assert case["results"]["verify"]["ok"]
 
 
-@pytest.mark.xfail(reason="needs dsfix verify in bounded memory (issue 42, item 3): verify loads the whole "
-                          "model today", strict=True)
 def test_verify_memory_is_bounded(scale_run):
     """A whole-model load breaks this bound (in fp32: 2.2 GiB; in bf16, with torch imported: about 1.4 GiB)."""
     _, case = scale_run
