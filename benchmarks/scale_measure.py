@@ -154,12 +154,13 @@ def _oom_kills(cgroup):
 
 
 def _remove_cgroup(cgroup):
-    for _ in range(50):  # the killed tree's last processes leave it within moments
+    for _ in range(600):  # a killed tree's processes leave it as they finish exiting (ranks of GBs: seconds)
         try:
             os.rmdir(cgroup)
             return
         except OSError:
             time.sleep(0.1)
+    print("[scale] could not remove the memory cgroup %s (processes still in it)" % cgroup, file=sys.stderr)
 
 
 def run_tree(argv, limit=None, cwd=None, env=None, timeout=None, reserve=RESERVE):
