@@ -1,0 +1,235 @@
+"""How bench_scale.py measures one method: a child process tree, sampled and guarded, from a cold page cache.
+
+* :func:`run_tree`: wall time, CPU time (the tree's, from the children's rusage), peak anonymous and peak
+  file-backed memory of the whole process tree (RssAnon and RssFile of every process, summed, sampled every
+  20 ms); past ``limit`` bytes of anonymous memory the tree is killed and the result says at how much, so that a
+  method that cannot fit never leaves the kernel's OOM killer to choose a victim among other processes.
+* :func:`drop_caches`: sync, then the kernel's page cache dropped (root on Linux); False where not allowed.
+* :data:`FLOOR`: the disk floor, every fp32 master read once, then the output's bytes written once and fsynced.
+* :data:`COMPARE`: two folders compared tensor by tensor, the reference cast to the output's dtype, bit for bit.
+"""
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+GIB = 1024.0 ** 3
+RESERVE = 1.5 * GIB
+
+FLOOR = r'''
+import glob, os, sys, time
+step, out, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+buf = bytearray(16 << 20)
+view = memoryview(buf)
+t = time.perf_counter()
+read = 0
+for path in sorted(glob.glob(os.path.join(step, "*_optim_states.pt"))):
+    with open(path, "rb", buffering=0) as handle:
+        while True:
+            n = handle.readinto(buf)
+            if not n:
+                break
+            read += n
+t_read = time.perf_counter() - t
+t = time.perf_counter()
+with open(out, "wb", buffering=0) as handle:
+    left = nbytes
+    while left > 0:
+        left -= handle.write(view[:min(left, len(buf))])
+    os.fsync(handle.fileno())
+print("%d %.3f %.3f" % (read, t_read, time.perf_counter() - t))
+'''
+
+COMPARE = r'''
+import json, os, sys, torch
+from safetensors import safe_open
+out, ref = sys.argv[1], sys.argv[2]
+index = os.path.join(ref, "pytorch_model.bin.index.json")
+files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["pytorch_model.bin"]
+handles = {}
+for name in os.listdir(out):
+    if name.endswith(".safetensors"):
+        h = safe_open(os.path.join(out, name), framework="pt")
+        handles.update((k, h) for k in h.keys())
+seen, differ = set(), []
+for f in files:
+    state = torch.load(os.path.join(ref, f), map_location="cpu", mmap=True, weights_only=True)
+    for key, value in state.items():
+        mine = handles[key].get_tensor(key)
+        if mine.shape != value.shape or not torch.equal(mine.view(-1), value.to(mine.dtype).view(-1)):
+            differ.append(key)
+        seen.add(key)
+        del mine
+    del state
+print(json.dumps({"compared": len(seen), "differ": differ, "only_here": sorted(set(handles) - seen)}))
+'''
+
+
+def _children(pid):
+    found = []
+    try:
+        for tid in os.listdir("/proc/%d/task" % pid):
+            with open("/proc/%d/task/%s/children" % (pid, tid)) as handle:
+                found += [int(c) for c in handle.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+def _rss(pid):
+    """(RssAnon, RssFile) of one process in bytes; zeros once it is gone."""
+    anon = rfile = 0
+    try:
+        with open("/proc/%d/status" % pid) as handle:
+            for line in handle:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1]) * 1024
+                elif line.startswith("RssFile:"):
+                    rfile = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return anon, rfile
+
+
+def tree_rss(pid):
+    """(anonymous, file-backed) bytes of ``pid`` and all its descendants now."""
+    todo, anon, rfile = [pid], 0, 0
+    while todo:
+        p = todo.pop()
+        a, f = _rss(p)
+        anon, rfile = anon + a, rfile + f
+        todo += _children(p)
+    return anon, rfile
+
+
+def available():
+    """MemAvailable in bytes: what the machine can still give without swapping or killing."""
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def memory_cgroup(limit):
+    """A memory cgroup of its own under this process's, limited to ``limit`` bytes (cgroup v1's
+    memory.limit_in_bytes, or v2's memory.max): the kernel then stops the tree at the limit however fast it
+    allocates, and its OOM killer chooses only among the tree's processes. Its path, or None where none can be
+    made (not root, no memory controller): the sampling guard alone then."""
+    try:
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    found = [(h, c, p) for h, c, p in (line.split(":", 2) for line in lines)]
+    tries = [("/sys/fs/cgroup/memory" + p, "memory.limit_in_bytes") for _, c, p in found if "memory" in c.split(",")]
+    tries += [("/sys/fs/cgroup" + p, "memory.max") for h, c, p in found if h == "0" and not c]
+    for base, knob in tries:
+        path = os.path.join(base, "dsfix-bench-%d" % os.getpid())
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, knob), "w") as handle:
+                handle.write("%d\n" % int(limit))
+            return path
+        except OSError:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+    return None
+
+
+def _oom_kills(cgroup):
+    for name in ("memory.oom_control", "memory.events"):
+        try:
+            with open(os.path.join(cgroup, name)) as handle:
+                for line in handle:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except OSError:
+            continue
+    return 0
+
+
+def _remove_cgroup(cgroup):
+    for _ in range(600):  # a killed tree's processes leave it as they finish exiting (ranks of GBs: seconds)
+        try:
+            os.rmdir(cgroup)
+            return
+        except OSError:
+            time.sleep(0.1)
+    print("[scale] could not remove the memory cgroup %s (processes still in it)" % cgroup, file=sys.stderr)
+
+
+def run_tree(argv, limit=None, cwd=None, env=None, timeout=None, reserve=RESERVE):
+    """Runs ``argv`` (its own session) to its end, or kills its whole tree past ``limit`` anonymous bytes, when
+    the machine's available memory falls under ``reserve`` bytes (others' work is not this run's to push out), or
+    past ``timeout`` seconds. Returns a dict: wall_s, cpu_s, anon_peak, file_peak (bytes), returncode, killed_at
+    (bytes, or None), timed_out, stdout, stderr (its tail)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    env = dict(os.environ if env is None else env, NO_COLOR="1", TOKENIZERS_PARALLELISM="false")
+    cgroup = memory_cgroup(limit) if limit is not None else None
+
+    def enter():  # in the child, before it runs argv: it and all it starts are held by the cgroup
+        if cgroup is not None:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as handle:
+                handle.write(str(os.getpid()))
+
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=enter)
+    out_chunks, err_chunks = [], []
+    import threading
+
+    readers = [threading.Thread(target=lambda s=s, b=b: b.append(s.read()), daemon=True)
+               for s, b in ((proc.stdout, out_chunks), (proc.stderr, err_chunks))]
+    for t in readers:
+        t.start()
+    anon_peak = file_peak = 0
+    killed_at, timed_out = None, False
+    while proc.poll() is None:
+        anon, rfile = tree_rss(proc.pid)
+        anon_peak, file_peak = max(anon_peak, anon), max(file_peak, rfile)
+        free = available()
+        over = (limit is not None and anon > limit) or (free is not None and free < reserve)
+        late = timeout is not None and time.perf_counter() - start > timeout
+        if over or late:
+            killed_at, timed_out = (anon if over else None), late
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+        time.sleep(0.02)
+    wall = time.perf_counter() - start
+    for t in readers:
+        t.join(5)
+    if cgroup is not None:
+        if _oom_kills(cgroup) and killed_at is None:
+            killed_at = limit  # the kernel stopped it at the cgroup's limit
+        _remove_cgroup(cgroup)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": wall, "cpu_s": cpu, "anon_peak": anon_peak, "file_peak": file_peak, "cgroup": cgroup is not None,
+            "returncode": proc.returncode, "killed_at": killed_at, "timed_out": timed_out,
+            "stdout": "".join(out_chunks), "stderr": "".join(err_chunks)[-3000:]}
+
+
+def drop_caches():
+    """sync, then drop the page cache, dentries and inodes; False where this process may not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def python(*args):
+    return [sys.executable] + list(args)
+
+
+def load_now():
+    """The 1-minute load average."""
+    return os.getloadavg()[0]
