@@ -14,7 +14,7 @@ import sys
 
 from patcher.errors import DsfixError
 
-SMOKE_EXTRA = ("torch", "transformers", "safetensors")
+SMOKE_EXTRA = ("torch", "transformers", "safetensors", "accelerate")
 INSTALL_DEEPSPEED = "DS_BUILD_OPS=0 pip install deepspeed"
 _NVIDIA = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version", "/dev/kfd")  # kfd: ROCm
 

@@ -200,6 +200,7 @@ def test_revert_outside_a_checkout_is_an_error(tmp_path):
     ("torch", ("convert", "FOLDER"), "lacks: pip install 'torch>=2.1' (dsfix's [smoke] extra)"),
     ("transformers", ("smoke", "CO"), "lacks: pip install 'transformers>=4.51' (dsfix's [smoke] extra)"),
     ("transformers", ("demo",), "lacks: pip install 'transformers>=4.51' (dsfix's [smoke] extra)"),
+    ("accelerate", ("verify", "FOLDER"), "lacks: pip install 'accelerate>=0.26' (dsfix's [smoke] extra)"),
     ("deepspeed", ("smoke", "CO", "--zero-stage", "3"), "DS_BUILD_OPS=0 pip install deepspeed"),
     ("deepspeed", ("smoke", "CO", "--nproc", "2"), "--nproc 2 needs DeepSpeed"),
 ])
