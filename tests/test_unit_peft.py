@@ -227,28 +227,28 @@ def test_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, tiny_qwen3_helper,
                                                          tensor.reshape(-1).view(torch.int16)), name
 
 
-class _Base:
-    """A base folder's reader over a model's state dict (its tied alias left out, as save_pretrained leaves it),
-    recording each read."""
+def _base(model, events):
+    """A base folder's random-access reader over a model's state dict (its tied alias left out, as save_pretrained
+    leaves it), recording each read."""
+    from patcher.checkpoint.readers.base import Held, Reader
 
-    def __init__(self, model, events):
-        from pathlib import Path
+    class Base(Reader):
+        random_access = True
 
-        from patcher.checkpoint.readers.base import Held
+        def __init__(self):
+            super().__init__(".")
+            self.state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+            self.tensors = {k: Held(k, tuple(v.shape), v.dtype) for k, v in self.state.items()}
+            self.events = events
 
-        self.state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        self.tensors = {k: Held(k, tuple(v.shape), v.dtype) for k, v in self.state.items()}
-        self.aliases, self.folder, self.events = {}, Path("."), events
+        def slice(self, name):
+            self.events.append(f"read {name}")
+            return self.state[name].clone()
 
-    def slice(self, name):
-        self.events.append(f"read {name}")
-        return self.state[name].clone()
+        def describe(self):
+            return "base"
 
-    def describe(self):
-        return "base"
-
-    def close(self):
-        pass
+    return Base()
 
 
 def _adapter(model, config):
@@ -276,7 +276,7 @@ def test_the_merge_reads_one_base_tensor_at_a_time(tiny_qwen3_helper):
     adapter = _adapter(tiny_qwen3_helper.tiny_qwen3_model(seed=0, dtype=torch.bfloat16, num_hidden_layers=2),
                        peft.LoraConfig(**{k: v for k, v in config.items() if k != "peft_type"}))
     events = []
-    merged = MergedPeft(_Base(model, events), adapter, config, model.config, "run")
+    merged = MergedPeft(_base(model, events), adapter, config, model.config, "run")
     merged.stream(lambda name, first, data: events.append(f"put {name}"))
     names = [k for k in model.state_dict() if k != "lm_head.weight"]
     assert events == [f"{what} {n}" for n in names for what in ("read", "put")]
@@ -302,7 +302,7 @@ def test_what_the_merge_refuses_in_one_line(tiny_qwen3_helper, config, change, w
     if change is not None:
         change(adapter)
     with pytest.raises(DsfixError) as info:
-        MergedPeft(_Base(model, []), adapter, {"peft_type": "LORA", "r": 2, "lora_alpha": 4, **config}, model.config,
+        MergedPeft(_base(model, []), adapter, {"peft_type": "LORA", "r": 2, "lora_alpha": 4, **config}, model.config,
                    "run").stream(lambda name, first, data: None)
     assert words in info.value.message and "\n" not in info.value.message and len(info.value.message) <= 200
 

@@ -145,8 +145,7 @@ class MergedPeft(Reader):
 
     def _read(self, name: str) -> Any:
         """A base tensor, read whole (one at a time)."""
-        held, data = self.base.tensors[name], self.base.slice(name)
-        return data[:] if held.shape and 0 not in held.shape else data
+        return self.base.read([name])[name]
 
     def _loaded(self, name: str) -> Any:
         """A base tensor that the adapter holds trained, as PEFT's load copies it into the base's parameter."""
