@@ -302,7 +302,7 @@ def _checkout_at(root: Path, main_path: Path | None, scripts: list, home: Path |
         main_path = root / STEP_MAIN[1]
         if not _exists(main_path):
             found = [Path(os.path.relpath(p, home or root)).as_posix() for p in callers(root)
-                     if "step2" not in str(p) and "step3" not in str(p)]
+                     if not later_step(root, p)]
             hint = ("; pass the script that saves: " + shown([_opt("--main", r) for r in found], sep=" or ")
                     if found else "")
             raise DsfixError(f"no {STEP_MAIN[1]} and no other {STEP1_DIR}/main.py that calls the save functions"
