@@ -15,7 +15,7 @@ from patcher.patch import safe
 from patcher.patch import state as st
 from patcher.patch.diff import stat, unified_diff
 from patcher.patch.locate import Checkout, find_checkout, layout_of
-from patcher.patch.names import SAVE_NAMES
+from patcher.patch.names import SAVE_NAMES, TEMPLATE_MARK
 from patcher.patch.plan import Status, Target
 from patcher.patch.scan import chat_roots_below, find_patched
 from patcher.patch.source import Unreadable, parse_script
@@ -200,7 +200,7 @@ def saves_safely(co: Checkout) -> str | None:
     if st.record_at(co.root) is not None:
         return None
     data = _maybe_read(co.utils_path, co.rel(co.utils_path))
-    if data is None or b"# dsfix: template=" in data:
+    if data is None or TEMPLATE_MARK in data:
         return None
     return safe.already_safe(parse_script(data, co.rel(co.utils_path))[0], SAVE_NAMES)
 

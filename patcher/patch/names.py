@@ -15,6 +15,9 @@ NEW_NAMES = {new: old for old, new in RENAMES.items()}
 PUBLIC_NAMES = tuple(RENAMES.values())
 SAVE_HF, SAVE_Z3 = RENAMES["save_hf_format"], RENAMES["save_zero_three_model"]  # what smoke calls
 
+MARKER_PREFIX = "# dsfix:"  # how the line that marks dsfix's edits in a file begins (fixers.base.make_marker)
+TEMPLATE_MARK = f"{MARKER_PREFIX} template=".encode()  # in a file's bytes: an earlier apply patched it
+
 SAVE_MODULE = "dsfix_safetensors"  # the writer dsfix copies beside utils.py, as a module of that name
 SAVE_MODULE_FILE = SAVE_MODULE + ".py"
 MODULE_FUNCTIONS = {  # each save function -> the save module's function that dsfix's wrapper calls

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from patcher.errors import DsfixError
-from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE_FILE, SAVE_NAMES
+from patcher.patch.names import PUBLIC_NAMES, SAVE_MODULE_FILE, SAVE_NAMES, TEMPLATE_MARK
 from patcher.patch.resolve import resolve_script
 
 STEP_DIRS = {
@@ -87,7 +87,7 @@ def find_patched(root: Path, depth: int = 5, limit: int = 3000) -> list:
     that calls dsfix's functions imported from that utils.py, wherever it is (--main and --script ones too)."""
     marked, scripts = [], []
     for path, data in python_files(root, depth, limit):
-        if b"# dsfix: template=" in data:
+        if TEMPLATE_MARK in data:
             marked.append((path, "loader" if b"kind=loader" in data else "utils"))
         elif any(f"{n}(".encode() in data for n in PUBLIC_NAMES):
             scripts.append(path)

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from patcher.errors import DsfixError
-from patcher.patch.names import is_dsfix_name
+from patcher.patch.names import MARKER_PREFIX, is_dsfix_name
 
-MARKER_PREFIX = "# dsfix:"
 MARKER_RE = re.compile(r"^#\s*dsfix:\s*(?P<fields>.*?)\s*(--.*)?$")
 PLACEHOLDER = "_DSFIX_BLOCK_GOES_HERE"
 
