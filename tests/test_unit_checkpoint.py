@@ -479,3 +479,43 @@ def test_progress_prints_plain_lines_only_off_a_terminal(console, total, min_tot
     with Progress(console, "dsfix x", total=total, min_total=min_total) as p:
         p.phase("working")
     assert ("dsfix x: working [0s]" in file.getvalue()) is shown
+
+
+def _wait_until(cond, seconds=10.0):
+    import time
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_read_ahead_stays_a_window_ahead_and_reads_every_file(tmp_path):
+    from patcher.checkpoint.readers.ahead import CHUNK, ReadAhead
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"rank{i}")
+        paths[-1].write_bytes(bytes(2 * CHUNK + 5))
+    with ReadAhead(paths, window=CHUNK // 2) as ahead:
+        # nothing used yet: one chunk at offset 0 is within the window, the next one is not
+        assert _wait_until(lambda: ahead.read == CHUNK)
+        assert not _wait_until(lambda: ahead.read > CHUNK, seconds=0.3)
+        ahead.used(0, CHUNK)  # the stream has come a chunk in: the thread reads one more
+        assert _wait_until(lambda: ahead.read == 2 * CHUNK)
+        assert not _wait_until(lambda: ahead.read > 2 * CHUNK, seconds=0.3)
+        ahead.used(2, 2 * CHUNK)  # in the last file: everything is within the window
+        assert _wait_until(lambda: ahead.read == 3 * (2 * CHUNK + 5))
+    assert not ahead._thread.is_alive()
+
+
+def test_read_ahead_leaves_a_missing_file_to_the_stream_and_stops_when_left(tmp_path):
+    from patcher.checkpoint.readers.ahead import ReadAhead
+    present = tmp_path / "rank1"
+    present.write_bytes(b"x" * 100)
+    with ReadAhead([tmp_path / "rank0", present]) as ahead:
+        assert _wait_until(lambda: not ahead._thread.is_alive())  # it gave up without raising
+    assert ahead.read == 0
+    big = tmp_path / "big"
+    big.write_bytes(bytes(64 << 20))
+    with ReadAhead([big], window=0) as ahead:  # leaving the block while it waits for room ends the thread
+        pass
+    assert not ahead._thread.is_alive() and ahead.read < 64 << 20
