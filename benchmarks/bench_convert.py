@@ -135,12 +135,21 @@ def main():
     require_or_exit("bench_convert")  # before anything is built: one line naming what to install
     repeats = args.repeats or (1 if args.quick else 3)
     config = NARROW_CONFIG if args.quick else FULL_CONFIG
+    run = measure(config, repeats, args.tmpdir)
+    report(run, config, repeats, args.quick)
+    errors = [(k, r["error"]) for k in run["results"] for r in run["results"][k] if "error" in r]
+    for key, err in errors:
+        print("error in %s: %s" % (key, err), file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"results": run["results"], "imports": run["base"][:3], "tied_mib": run["tied_mib"],
+                       "bin_mib": run["bin_mib"]}, handle, indent=2)
+    return 1 if errors else 0
 
-    import safetensors
-    import torch
-    import transformers
 
-    work = tempfile.mkdtemp(prefix="dsfix-bench-convert-", dir=args.tmpdir)
+def measure(config, repeats, tmpdir):
+    """The folder made once, then every method run ``repeats`` times in turn, each in a fresh process."""
+    work = tempfile.mkdtemp(prefix="dsfix-bench-convert-", dir=tmpdir)
     try:
         folder = os.path.join(work, "z3")
         t = time.perf_counter()
@@ -151,33 +160,45 @@ def main():
         for _ in range(repeats):
             for key, _, argv in METHODS:
                 clean(folder)
-                wall, anon, rfile, code, out, err = run_child([a.replace("{dir}", folder) for a in argv], REPO_ROOT)
-                entry = {"wall_s": wall, "anon_mib": anon, "file_mib": rfile, "returncode": code}
-                if key.startswith("convert"):
-                    if code != 0:
-                        entry["error"] = err
-                    else:
-                        (f,) = json.loads(out)["folders"]
-                        entry["tensors"] = f["tensors"]
-                        entry["written_mib"] = f["bytes_written"] / MIB
-                elif key == "plain":
-                    entry["tensors"] = int(out.split()[1]) if code == 0 else None
-                    if code != 0:
-                        entry["error"] = err
-                results[key].append(entry)
+                results[key].append(_entry(key, run_child([a.replace("{dir}", folder) for a in argv], REPO_ROOT)))
         clean(folder)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return {"results": results, "base": base, "n_bin": n_bin, "tied_mib": tied_mib, "bin_mib": bin_mib,
+            "build_s": build_s}
+
+
+def _entry(key, child):
+    """One method's run as the report reads it: its time and memory, and what it wrote or why it failed."""
+    wall, anon, rfile, code, out, err = child
+    entry = {"wall_s": wall, "anon_mib": anon, "file_mib": rfile, "returncode": code}
+    if code != 0 and (key.startswith("convert") or key == "plain"):
+        entry["error"] = err
+    if key.startswith("convert") and code == 0:
+        (f,) = json.loads(out)["folders"]
+        entry["tensors"] = f["tensors"]
+        entry["written_mib"] = f["bytes_written"] / MIB
+    elif key == "plain":
+        entry["tensors"] = int(out.split()[1]) if code == 0 else None
+    return entry
+
+
+def report(run, config, repeats, quick):
+    import safetensors
+    import torch
+    import transformers
+
+    results, base, tied_mib = run["results"], run["base"], run["tied_mib"]
 
     def med(key, field):
         vals = [r[field] for r in results[key] if field in r and r[field] is not None]
         return statistics.median(vals) if vals else float("nan")
 
     print("## dsfix convert benchmark\n")
-    print("- command: `python benchmarks/bench_convert.py%s`" % (" --quick" if args.quick else ""))
+    print("- command: `python benchmarks/bench_convert.py%s`" % (" --quick" if quick else ""))
     print("- model: %s, random bf16 weights, tied embeddings; .bin as upstream's ZeRO-3 save writes it (%d tensors, "
           "%.1f MiB; tied tensor %.1f MiB); built and saved in %.1f s (not timed)"
-          % (os.path.relpath(config, REPO_ROOT), n_bin, bin_mib, tied_mib, build_s))
+          % (os.path.relpath(config, REPO_ROOT), run["n_bin"], run["bin_mib"], tied_mib, run["build_s"]))
     print("- machine: %s; %d cores; Python %s, torch %s, transformers %s, safetensors %s"
           % (platform.processor() or platform.machine(), os.cpu_count(), platform.python_version(),
              torch.__version__, transformers.__version__, safetensors.__version__))
@@ -200,14 +221,6 @@ def main():
     print("- anon memory above imports, dsfix convert = %.0f MiB (the tied tensor, %.0f MiB, is written twice from "
           "the mapped .bin, never copied in memory; plain script: %.0f MiB)"
           % (extra, tied_mib, med("plain", "anon_mib") - base[1]))
-    errors = [(k, r["error"]) for k in results for r in results[k] if "error" in r]
-    for key, err in errors:
-        print("error in %s: %s" % (key, err), file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"results": results, "imports": base[:3], "tied_mib": tied_mib, "bin_mib": bin_mib}, handle,
-                      indent=2)
-    return 1 if errors else 0
 
 
 if __name__ == "__main__":

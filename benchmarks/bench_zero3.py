@@ -80,27 +80,15 @@ def gather_alone(engine, bucket_bytes):
 
 def worker(args):
     import deepspeed
-    import torch
     import torch.distributed as dist
 
     skip_shm_allreduce()
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
-    model = common.build_model(args.config)
-    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "steps_per_print": 1 << 30,
-              "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_gather_16bit_weights_on_model_save": True,
-                                    # buffers small enough for 4 ranks of the full model on a 24 GB machine
-                                    "reduce_bucket_size": 5e7, "stage3_prefetch_bucket_size": 5e7,
-                                    "sub_group_size": 1e8, "stage3_max_live_parameters": 1e8}}
-    # A plain SGD optimizer (no state of its own): save_16bit_model needs an optimizer to save.
-    engine = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                  config=config)[0]
+    engine = _engine(args)
     plain = common.build_model(args.config) if rank == 0 and "plain" in args.methods else None
     build_s = time.perf_counter() - started
-    save = common.save_module()
     largest = max(p.ds_numel * p.element_size() for p in engine.module.parameters())
     model_bytes = sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
     gathers = common.load_file_module("fixtures", "step1_trainer", "train.py").count_gathers(deepspeed)
@@ -110,44 +98,74 @@ def worker(args):
     results = []
     for round_ in range(args.rounds):
         for method in methods[round_ % len(methods):] + methods[:round_ % len(methods)]:
-            out = os.path.join(args.work, "%d-ranks-%s" % (world, method))
-            bucket_mb = 0 if method == "one" else args.bucket_mb
-            dist.barrier()
-            rss, gathers[0] = common.reset_peak(), 0
-            dist.barrier()
-            begin = time.perf_counter()
-            if method in ("one", "bucketed", "dedupe"):
-                save.save_zero_three_model(engine, out, global_rank=rank, zero_stage=3, gather_bucket_mb=bucket_mb,
-                                           strategy="dedupe" if method == "dedupe" else "clone")
-            elif method == "upstream":
-                os.makedirs(out, exist_ok=True)
-                upstream_save(engine, rank, out)
-            elif method == "deepspeed":
-                engine.save_16bit_model(out, "pytorch_model.bin")
-            elif method == "plain" and rank == 0:
-                save.save_zero_three_model(plain, out, global_rank=0, zero_stage=0)
-            elif method == "gather":
-                gather_alone(engine, args.bucket_mb * common.MIB)
-            if rank == 0:
-                common.fsync_tree(out)
-            wall, peak = time.perf_counter() - begin, common.peak_since(rss)
-            every = [None] * world
-            dist.all_gather_object(every, (wall, peak))
-            if rank == 0:
-                os.makedirs(out, exist_ok=True)
-                files = common.written(out)
-                results.append({"method": method, "round": round_, "wall_s": max(w for w, _ in every),
-                                "rank0_peak": every[0][1],
-                                "other_peak": max([p for _, p in every[1:] if p is not None], default=None),
-                                "bytes_written": sum(files.values()), "files": len(files), "gathers": gathers[0],
-                                "tensors": common.tensor_count(out) if files else None})
-                shutil.rmtree(out)
-            dist.barrier()
+            result = _run_method(method, engine, plain, gathers, args)
+            if result is not None:
+                results.append(dict(result, round=round_))
     if rank == 0:
         with open(args.result, "w") as handle:
             json.dump({"world": world, "results": results, "build_s": build_s, "largest_bytes": largest,
                        "model_bytes": model_bytes, "bucket_bytes": args.bucket_mb * common.MIB}, handle)
     RANK_END.end_rank()  # the process group torn down before the interpreter's exit
+
+
+def _engine(args):
+    """The model under ZeRO-3 on this rank, with a plain SGD optimizer (no state of its own): save_16bit_model
+    needs an optimizer to save."""
+    import deepspeed
+    import torch
+
+    model = common.build_model(args.config)
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "steps_per_print": 1 << 30,
+              "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_gather_16bit_weights_on_model_save": True,
+                                    # buffers small enough for 4 ranks of the full model on a 24 GB machine
+                                    "reduce_bucket_size": 5e7, "stage3_prefetch_bucket_size": 5e7,
+                                    "sub_group_size": 1e8, "stage3_max_live_parameters": 1e8}}
+    return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)[0]
+
+
+def _run_method(method, engine, plain, gathers, args):
+    """One save by ``method`` on every rank, timed between barriers; rank 0 returns what it wrote and the
+    slowest rank's time, the others None."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    save = common.save_module()
+    out = os.path.join(args.work, "%d-ranks-%s" % (world, method))
+    bucket_mb = 0 if method == "one" else args.bucket_mb
+    dist.barrier()
+    rss, gathers[0] = common.reset_peak(), 0
+    dist.barrier()
+    begin = time.perf_counter()
+    if method in ("one", "bucketed", "dedupe"):
+        save.save_zero_three_model(engine, out, global_rank=rank, zero_stage=3, gather_bucket_mb=bucket_mb,
+                                   strategy="dedupe" if method == "dedupe" else "clone")
+    elif method == "upstream":
+        os.makedirs(out, exist_ok=True)
+        upstream_save(engine, rank, out)
+    elif method == "deepspeed":
+        engine.save_16bit_model(out, "pytorch_model.bin")
+    elif method == "plain" and rank == 0:
+        save.save_zero_three_model(plain, out, global_rank=0, zero_stage=0)
+    elif method == "gather":
+        gather_alone(engine, args.bucket_mb * common.MIB)
+    if rank == 0:
+        common.fsync_tree(out)
+    wall, peak = time.perf_counter() - begin, common.peak_since(rss)
+    every = [None] * world
+    dist.all_gather_object(every, (wall, peak))
+    result = None
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        files = common.written(out)
+        result = {"method": method, "wall_s": max(w for w, _ in every), "rank0_peak": every[0][1],
+                  "other_peak": max([p for _, p in every[1:] if p is not None], default=None),
+                  "bytes_written": sum(files.values()), "files": len(files), "gathers": gathers[0],
+                  "tensors": common.tensor_count(out) if files else None}
+        shutil.rmtree(out)
+    dist.barrier()
+    return result
 
 
 # ------------------------------------------------------------------------------------------ the run
