@@ -835,8 +835,8 @@ def _gathered(bucket):
 def _trim_heap():
     """Hands the heap memory that a bucket's gathers freed back to the system, where the C library is glibc.
     Without it glibc keeps what the gathers free in pieces too scattered to reuse, and rank 0 grows bucket by
-    bucket: with Qwen3-4B on CPU ranks, 3,001 MiB above the partitioned model, against 1,484 MiB for the
-    gather of the largest tensor alone; with it, 1,486 (docs/benchmarks.md)."""
+    bucket: with Qwen3-4B on CPU ranks, 2,484 MiB above the partitioned model, against 1,484 MiB for the
+    gather of the largest tensor alone; with it, 1,491 (docs/benchmarks.md)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
