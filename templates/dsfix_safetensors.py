@@ -72,7 +72,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-VERSION = 5
+VERSION = 6
 
 __all__ = [
     "VERSION", "DTYPES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_GATHER_BUCKET_MB", "FALLBACK_FOLDER", "INDEX_NAME",

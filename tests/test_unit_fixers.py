@@ -314,6 +314,7 @@ def test_make_marker_is_read_back():
 RELEASED = {
     4: "db866332492e344d5cec2077d7191acebfb2509651851768eba7e82e43e37658",
     5: "d6979c1b9668ba3cfa583e82a1423c445ed983f1078d27ca647a0f804ec61e3b",
+    6: "b46be8cf0c57f453e66212b9d4b253a6837e4b0896a9a8fad487eb74b901855a",
 }
 
 
