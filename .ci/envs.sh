@@ -51,7 +51,7 @@ case "$which_env" in
       # libraries installed, which it loads at import
       install python -m pip install -q -c .ci/floor.txt torch numpy
       install env DS_BUILD_OPS=0 python -m pip install -q -c .ci/floor.txt -e . torch numpy transformers safetensors accelerate \
-        deepspeed 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2'
+        deepspeed 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2' 'pytest-xdist>=3'
     }
     # No ZeRO-3 on CPU ranks here: torch 2.1's gloo has no all_gather_into_tensor ("no support for
     # _allgather_base in Gloo process group") and no bf16 collectives ("Invalid scalar type"), which
@@ -70,7 +70,7 @@ case "$which_env" in
     venv=.venv-newest
     install_env() {
       install python -m pip install -q "torch==$TORCH_VERSION"
-      install python -m pip install -q -e '.[smoke]' 'transformers>=5,<6' 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2'
+      install python -m pip install -q -e '.[smoke]' 'transformers>=5,<6' 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2' 'pytest-xdist>=3'
     }
     tests=(tests/test_versions.py tests/test_save_module.py tests/test_smoke.py tests/test_verify.py tests/test_convert.py
            tests/test_cli_model.py)
@@ -105,7 +105,7 @@ EOF_PY
 echo "env $which_env: installed in ${installed}s, $(du -sh "$venv" | cut -f1)"
 
 set +e
-python -m pytest -q -p no:cacheprovider --durations=5 "${tests[@]}"
+python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider --durations=5 "${tests[@]}"
 rc=$?
 set -e
 echo "env $which_env: tests took $((SECONDS - start - installed))s"

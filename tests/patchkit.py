@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,9 @@ def pyflakes_messages(data: bytes, name: str = "x.py") -> set:
         parts = line.split(":", 3)
         msgs.add(parts[-1].strip() if len(parts) >= 3 else line)
     return msgs
+
+
+def width(line: str) -> int:
+    """A printed line's length as it reads outside pytest-xdist: its worker's folder (``popen-gwN/``) left out of
+    the temporary paths the line names."""
+    return len(re.sub(r"/popen-gw\d+/", "/", line))

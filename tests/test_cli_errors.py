@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from patchkit import CLEAN_ENV, REPO, copy_fixture
+from patchkit import CLEAN_ENV, REPO, copy_fixture, width
 
 pytestmark = pytest.mark.slow  # one real process for the whole table, and three checkout copies: about 6 s
 
@@ -233,4 +233,4 @@ def test_answers_in_one_line_before_torch(answers, name):
     answer, code, lines = answers[name]
     assert answer["stderr"].splitlines() == lines and answer["code"] == code, answer
     assert answer["imported"] == [], f"{name}: imported {answer['imported']} before answering"
-    assert all(len(text) <= 200 for text in answer["stderr"].splitlines())
+    assert all(width(text) <= 200 for text in answer["stderr"].splitlines())

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from patchkit import REPO, cli, copy_fixture, run
+from patchkit import REPO, cli, copy_fixture, run, width
 from smokekit import NARROW, narrow_model
 
 pytestmark = pytest.mark.slow  # torch models through the CLI, and the demo
@@ -81,7 +81,7 @@ def test_demo_passes(tmp_path):
     assert "with ast (it imports DeepSpeed, which a save without an engine does not need)" in functions_row
     assert "warning" not in err.lower() and "Loading weights" not in err
     assert re.search(r"^dsfix smoke: rank 0: \w+ \(in this process, no DeepSpeed engine\) \[\d+s\]$", err, re.M)
-    assert max(len(line) for line in (err + p.stdout.decode()).splitlines()) <= 200
+    assert max(width(line) for line in (err + p.stdout.decode()).splitlines()) <= 200
     assert b"dsfix check CHECKOUT" in p.stderr and b"dsfix revert CHECKOUT" in p.stderr, "what to run next"
     assert b"Loading weights" not in p.stderr and b"Warning" not in p.stderr
     # the newcomer sees utils.py's and main.py's diffs in full on stdout, and what the new save module is

@@ -151,9 +151,10 @@ def test_converted_files(sources, tmp_path):
 
 
 def _normal(text: str, tmp: Path) -> object:
-    """A --json report with this run's temporary folders as <TMP> (the test's) and <BASE> (pytest's)."""
+    """A --json report with this run's temporary folders as <TMP> (the test's) and <BASE> (pytest's, with
+    pytest-xdist's worker folder popen-gwN)."""
     text = text.replace(str(tmp), "<TMP>")
-    return json.loads(re.sub(r'/[^"\s]*/pytest-\d+/', "<BASE>/", text))
+    return json.loads(re.sub(r'/[^"\s]*/pytest-\d+/(popen-gw\d+/)?', "<BASE>/", text))
 
 
 def _json(tmp: Path, *args):

@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 from patcher.checkpoint.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
+from patchkit import width  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,7 +62,7 @@ def _cli(*args):
 def _lines(proc) -> list:
     """What dsfix printed on stderr, line by line: every line within 200 characters."""
     lines = proc.stderr.splitlines()
-    assert [line for line in lines if len(line) > 200] == [], proc.stderr
+    assert [line for line in lines if width(line) > 200] == [], proc.stderr
     return lines
 
 

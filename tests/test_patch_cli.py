@@ -257,9 +257,10 @@ def test_readme_test_command_is_what_ci_runs():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     lines = [line for line in readme.splitlines() if line.startswith("python3 -m venv")]
-    assert len(lines) == 2 and lines[0].endswith("dsfix demo") and lines[1].endswith("python -m pytest -q")
-    for part in ("'torch==2.13.0'", "DS_BUILD_OPS=0", "-e '.[test]'", "python -m pytest -q"):
-        assert part in lines[1] and part in ci, part
+    command = "python -m pytest -q -n 2 --dist loadfile"
+    assert len(lines) == 2 and lines[0].endswith("dsfix demo") and lines[1].endswith(command)
+    for part in ("'torch==2.13.0'", "DS_BUILD_OPS=0", "-e '.[test]'", command + "\n"):
+        assert part in lines[1] + "\n" and part in ci, part
 
 
 @pytest.mark.slow

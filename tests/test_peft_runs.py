@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 torch = pytest.importorskip("torch")
 
+from patchkit import width  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 LORA_KEYS = 28 * 4 * 2  # 28 layers, q/k/v/o_proj, lora_A and lora_B
 TIE = {"base_model.model.lm_head.weight": "base_model.model.model.embed_tokens.weight"}
@@ -286,7 +288,7 @@ def test_a_peft_run_converts_with_no_flag_to_the_adapter_it_trained(peft_runs, t
     assert code == 0, stderr[-3000:]
     report = json.loads(stdout)
     assert (report["kind"], report["tensors"]) == ("peft-adapter", KEYS.get(run, LORA_KEYS))
-    assert max(len(line) for line in stderr.splitlines()) <= 200
+    assert max(width(line) for line in stderr.splitlines()) <= 200
     assert stderr.strip().splitlines()[-1] == (f"converted checkpoint-2/global_step2 -> {out}: {report['tensors']} "
                                                f"tensors, {report['dtype']}, the LoRA adapter")
     # the adapter's dtype in training: PEFT keeps it fp32 on the bf16 base that zero.Init made at ZeRO-3
