@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import patcher.checkpoint.readers.refuse as refuse
-from patcher.checkpoint.readers.ahead import ReadAhead
 from patcher.checkpoint.readers.base import Held, Put, Reader, numel
 from patcher.checkpoint.readers.load import load_deepspeed
 from patcher.errors import DsfixError
@@ -210,15 +209,13 @@ class EngineReader(Reader):
         # cores: 58 s and 23 s of CPU with 2 threads, 17 s and 6 s with 1).
         torch.set_num_threads(1)
         try:
-            with ReadAhead(self.optim_files) as ahead:  # the disk reads the next pages while this thread casts
-                self._stream_ranks(put, ahead)
+            self._stream_ranks(put)
         finally:
             torch.set_num_threads(threads)
 
-    def _stream_ranks(self, put: Put, ahead: ReadAhead) -> None:
+    def _stream_ranks(self, put: Put) -> None:
         pieces, sizes0 = None, None
         for rank, path in enumerate(self.optim_files):
-            ahead.used(rank)
             osd = load_deepspeed(path).get("optimizer_state_dict")
             self._stage_of(osd, path, self.stage)
             refuse.optimizer_states(osd, path)
@@ -229,11 +226,8 @@ class EngineReader(Reader):
             elif sizes != sizes0:
                 raise DsfixError(f"its flat partitions hold {sizes} elements, rank 0's {sizes0}: files of two saves?",
                                  path=str(path))
-            done = 0
             for p in (p for p in pieces if p.rank == rank):
                 put(p.name, p.dst, flat[p.group].narrow(0, p.src, p.length))
-                done += p.length * flat[p.group].element_size()
-                ahead.used(rank, done)
             del osd, flat
             self.stream_frozen(rank, put)
 
