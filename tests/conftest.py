@@ -68,6 +68,25 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    items.sort(key=lambda item: _start_order(item.path.name))  # stable: each file's tests keep their order
+
+
+# The files that take longest start first: with `-n 2 --dist loadfile` each file runs on one worker, and a long one
+# left to the end keeps one worker busy while the other has nothing. Each launches ranks or builds a full model
+# (in order of their time on a 2-core machine, CONTRIBUTING.md); every other file follows in its own order.
+# pytest-xdist would otherwise send the files with the most tests first, and these have few (pytest_configure).
+LONGEST_FIRST = ("test_peft_runs.py", "test_fault_sweep.py", "test_engine.py", "test_convert.py",
+                 "test_save_module_ranks.py", "test_device_check.py", "test_bench_scale.py", "test_hf_runs.py",
+                 "test_cli_model.py", "test_verify.py", "test_smoke.py")
+
+
+def _start_order(file_name: str) -> int:
+    return LONGEST_FIRST.index(file_name) if file_name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --dist loadfile: take the files in our order
+        config.option.loadscopereorder = False
 
 
 def _load_tiny_qwen3_helper():
@@ -95,40 +114,72 @@ def tiny_qwen3(tiny_qwen3_helper):
     return tiny_qwen3_helper.tiny_qwen3_model(seed=0)
 
 
+def made_once(tmp_path_factory, name: str, make):
+    """``make(folder)``'s result, made once in the whole test run. Under pytest-xdist every worker is a session of
+    its own, so a session fixture used by two files that run on two workers would launch its ranks twice: here the
+    first worker to ask makes it in a folder of the run's own (above each worker's), while any other waits on a
+    lock, then reads the same folder and the same result (pickled). A make that raised is made again by the next
+    worker to ask, so each reports its own failure. Without xdist it is one call."""
+    import fcntl
+    import pickle
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder, result = base / name, base / f"{name}.pickle"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if result.exists():
+            return pickle.loads(result.read_bytes())
+        shutil.rmtree(folder, ignore_errors=True)  # a make that raised, in another worker
+        folder.mkdir()
+        made = make(folder)
+        result.write_bytes(pickle.dumps(made))
+        return made
+
+
 @pytest.fixture(scope="session")
 def zero3_patched_run(tmp_path_factory):
     """One real ZeRO-3 run on 2 CPU ranks (gloo) of the step-1-like trainer, with the utils.py of a fixture
     checkout patched by `dsfix apply`: its output (dsfix's save) in out/, the checkout's own functions'
-    save (upstream's .bin, the tied lm_head.weight missing) in original/, the reference in ref/.
-    Returns (folder, smokekit.Launch)."""
+    save (upstream's .bin, the tied lm_head.weight missing) in original/, the reference in ref/. Made once in
+    the run (made_once). Returns (folder, smokekit.Launch)."""
     pytest.importorskip("deepspeed")
-    import shutil
 
-    from patcher.patch import flow
-    from smokekit import REPO, run_trainer
+    def make(tmp_path):
+        import shutil
 
-    tmp_path = tmp_path_factory.mktemp("zero3-patched")
-    checkout = tmp_path / "checkout"
-    shutil.copytree(REPO / "fixtures" / "checkouts" / "package", checkout)
-    assert flow.apply(checkout).exit_code == 0
-    variants = json.dumps([{"dir": str(tmp_path / "original"), "original": True}])
-    run = run_trainer(tmp_path, 2, 3, "--variants", variants, utils=checkout / "dschat" / "utils" / "utils.py")
-    return tmp_path, run
+        from patcher.patch import flow
+        from smokekit import REPO, run_trainer
+
+        checkout = tmp_path / "checkout"
+        shutil.copytree(REPO / "fixtures" / "checkouts" / "package", checkout)
+        assert flow.apply(checkout).exit_code == 0
+        variants = json.dumps([{"dir": str(tmp_path / "original"), "original": True}])
+        utils = checkout / "dschat" / "utils" / "utils.py"
+        return tmp_path, run_trainer(tmp_path, 2, 3, "--variants", variants, utils=utils)
+
+    return made_once(tmp_path_factory, "zero3-patched", make)
 
 
 @pytest.fixture(scope="session")
 def zero3_article_run(tmp_path_factory):
     """The article's hand edit run by `dsfix smoke` on real ZeRO-3 engines, 2 CPU ranks (gloo), bf16: what
-    it printed and the folder it wrote ([0]-shaped placeholders, no config.json). Returns (report, folder)."""
+    it printed and the folder it wrote ([0]-shaped placeholders, no config.json). Made once in the run
+    (made_once). Returns (report, folder)."""
     pytest.importorskip("deepspeed")
-    from patcher.checkpoint.smoke import run_smoke
-    from smokekit import NARROW, broken_code, make_checkout, quiet_console
 
-    base = tmp_path_factory.mktemp("zero3-article")
-    checkout = make_checkout(base / "DeepSpeed-Chat", broken_code("article_utils.py"))
-    report = run_smoke(checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2, keep=base / "out",
-                       console=quiet_console(), timeout=300)
-    return report, base / "out"
+    def make(base):
+        from patcher.checkpoint.smoke import run_smoke
+        from smokekit import NARROW, broken_code, make_checkout, quiet_console
+
+        checkout = make_checkout(base / "DeepSpeed-Chat", broken_code("article_utils.py"))
+        report = run_smoke(checkout, config_path=NARROW, dtype="bf16", zero_stage=3, nproc=2, keep=base / "out",
+                           console=quiet_console(), timeout=300)
+        return report, base / "out"
+
+    return made_once(tmp_path_factory, "zero3-article", make)
 
 
 @pytest.fixture(scope="session", autouse=True)
