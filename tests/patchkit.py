@@ -50,6 +50,14 @@ def cli(*args, cwd: Path | None = None):
     return r.exit_code, r.stdout_bytes, stderr
 
 
+def cli_completed(*args) -> subprocess.CompletedProcess:
+    """``cli``'s run as the CompletedProcess (text) that ``run`` would give, for the tests of what a command prints
+    that need no process of their own: torch and transformers are imported once for the test file, not once a
+    command."""
+    code, stdout, stderr = cli(*args)
+    return subprocess.CompletedProcess(["dsfix", *map(str, args)], code, stdout.decode(), stderr)
+
+
 def run(*args, cwd: Path | None = None, env: dict | None = None, timeout: int = 120):
     """Run `python -m patcher ...` as a real subprocess. Returns CompletedProcess (bytes)."""
     return subprocess.run(

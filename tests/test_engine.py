@@ -782,11 +782,10 @@ def test_every_file_is_on_disk_before_the_rename_and_a_failed_fsync_writes_nothi
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]
 
 def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "patcher", "convert", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=300)
+    """``dsfix convert ARGS`` through the command line in this process (patchkit.cli_completed)."""
+    from patchkit import cli_completed
+
+    return cli_completed("convert", *args)
 
 
 @pytest.mark.slow

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from patcher.checkpoint.convert import convert  # noqa: E402
 from patcher.errors import DsfixError  # noqa: E402
-from patchkit import width  # noqa: E402
+from patchkit import cli_completed, width  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,10 +51,8 @@ def hf_runs(tmp_path_factory, tiny_qwen3_helper):
 
 
 def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "GITHUB_ACTIONS", "PY_COLORS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "patcher", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    """dsfix's command line in this process (patchkit.cli_completed)."""
+    return cli_completed(*args)
 
 
 def _lines(proc) -> list:
