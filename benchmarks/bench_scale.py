@@ -48,8 +48,8 @@ for here, _, names in os.walk(sys.argv[2], topdown=False):
 
 
 def _method(argv, args, note=None):
-    """One method from a cold cache, under the memory guard; the result without its output text."""
-    cold = measure.drop_caches()
+    """One method from a cold cache (unless --warm), under the memory guard; the result without its output text."""
+    cold = False if args.warm else measure.drop_caches()
     load = measure.load_now()
     res = measure.run_tree(argv, limit=args.limit_gib * measure.GIB, cwd=common.REPO_ROOT, timeout=args.timeout)
     res.update(cold=cold, load=load)
@@ -247,6 +247,9 @@ def main(argv=None):
                         help="the disk floor and convert always; verify and zero_to_fp32 where named")
     parser.add_argument("--limit-gib", type=float, default=19.0, help="kill a method past this anonymous memory")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a method may take")
+    parser.add_argument("--warm", action="store_true",
+                        help="keep the page cache: for a test of behaviour, where dropping it would slow everything "
+                             "else on the machine (its times are then not the cold ones the docs give)")
     parser.add_argument("--tmpdir", default=None, help="where the checkpoints go (default: the system's)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--from-json", default=None,
@@ -342,7 +345,8 @@ def print_report(saved, args):
     print("- command: `python benchmarks/bench_scale.py %s`" % saved["command"])
     print("- machine: %s" % saved["machine"])
     print("- page cache: %s before each method; load average (1 min) at the methods' starts: %.1f to %.1f"
-          % ("dropped (sync; drop_caches 3)" if cold else "NOT dropped (not allowed here): warm reads",
+          % ("dropped (sync; drop_caches 3)" if cold else
+             "NOT dropped (%s): warm reads" % ("--warm" if args.warm else "not allowed here"),
              min(loads), max(loads)))
     print("- memory: RssAnon and RssFile summed over each method's process tree, sampled every 20 ms; a method "
           "past %.0f GiB of anonymous memory is killed" % args.limit_gib)
