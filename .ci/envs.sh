@@ -62,7 +62,7 @@ case "$which_env" in
     # DeepSpeed's ZeRO-3 needs; on GPUs it runs on NCCL. The patched save and reload on ZeRO-0: smoke's exit
     # codes (apply, then smoke, through the command line). The demo is that same cycle on the full Qwen3-0.6B
     # config (a minute here): it runs in the newest environment, which is what the README's first command
-    # installs, and in the main one.
+    # installs, and in the main one's extended tier.
     tests=(tests/test_versions.py tests/test_save_module.py
            tests/test_save_module_ranks.py::test_zero0_save_and_fallback
            tests/test_smoke.py tests/test_verify.py tests/test_cli_model.py::test_smoke_exit_codes
@@ -77,8 +77,9 @@ case "$which_env" in
       install python -m pip install -q "torch==$TORCH_VERSION"
       install python -m pip install -q -e '.[smoke]' 'transformers>=5,<6' 'pytest>=7' 'hypothesis>=6' 'pytest-timeout>=2' 'pytest-xdist>=3'
     }
-    tests=(tests/test_versions.py tests/test_save_module.py tests/test_smoke.py tests/test_verify.py tests/test_convert.py
-           tests/test_cli_model.py)
+    # --both-tiers: the demo too (test_cli_model.py's, in the extended tier of the main environment)
+    tests=(--both-tiers tests/test_versions.py tests/test_save_module.py tests/test_smoke.py tests/test_verify.py
+           tests/test_convert.py tests/test_cli_model.py)
     ;;
   *)
     echo "usage: .ci/envs.sh floor|newest [install|test]" >&2

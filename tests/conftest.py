@@ -56,15 +56,19 @@ def pytest_addoption(parser):
                      help="run the extended tier alone (tests marked `extended`: the full fault sweep, the real "
                           "Trainer and accelerate runs, the device check on the CPU); .ci/run runs it after the "
                           "main suite")
+    parser.addoption("--both-tiers", action="store_true",
+                     help="run the main suite and the extended tier together (the further environments of "
+                          ".ci/envs.sh, whose test lists are short)")
 
 
 def pytest_collection_modifyitems(config, items):
     """Two tiers that never overlap: the main suite (`python -m pytest -q`) leaves out the tests marked
-    ``extended``, and ``--extended`` runs those alone."""
+    ``extended``, ``--extended`` runs those alone, and ``--both-tiers`` runs both."""
     extended = config.getoption("--extended")
+    both = config.getoption("--both-tiers")
     keep, drop = [], []
     for item in items:
-        (keep if (item.get_closest_marker("extended") is not None) == extended else drop).append(item)
+        (keep if both or (item.get_closest_marker("extended") is not None) == extended else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
