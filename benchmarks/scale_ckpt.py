@@ -3,9 +3,10 @@
 Every parameter's fp32 master values are a function of its name and position: a window of one seeded random
 pool (64 MiB), starting where the name's CRC says. So a rank's partition is computed on its own, with no whole
 model in memory, and ZeRO-2 and ZeRO-3 checkpoints of one size hold the same weights. The layout is DeepSpeed
-0.19.8's, as tests/ckptkit.py writes it (bf16 training, one parameter group, ``shared_params`` for the tie); the
-Adam moments are stubs (empty tensors): nothing that converts a checkpoint reads them, and full ones would
-triple the disk each size needs.
+0.19.8's, as tests/ckptkit.py writes it (bf16 training, one parameter group, ``shared_params`` for the tie). The
+Adam moments are stubs (empty tensors) unless ``moments=True``: nothing that converts a checkpoint reads them,
+and full ones triple the disk each size needs. Full ones lie where DeepSpeed writes them, before the masters in
+each optimizer file, so that a reader which reads more than the masters pays for it here too.
 """
 import json
 import math
@@ -80,10 +81,13 @@ def _common(params, shared, world, stage):
             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}, "ds_config": ds, "ds_version": "0.19.8"}
 
 
-def _adam_stub():
+def _adam_state(flat, full):
+    """The base optimizer's state of the one flat group: Adam's step and moments, full-size or as stubs."""
     import torch
 
-    return {"step": torch.tensor(1.0), "exp_avg": torch.zeros(0), "exp_avg_sq": torch.zeros(0)}
+    if not full:
+        return {"step": torch.tensor(1.0), "exp_avg": torch.zeros(0), "exp_avg_sq": torch.zeros(0)}
+    return {"step": torch.tensor(1.0), "exp_avg": flat * 0.1, "exp_avg_sq": flat.square()}
 
 
 def _optim_path(folder, rank):
@@ -134,10 +138,10 @@ def _bf16_module(params, shared):
     return module
 
 
-def write_checkpoint(root, config, stage, world, progress=None):
+def write_checkpoint(root, config, stage, world, progress=None, moments=False):
     """``root``: config.json, ``latest`` and ``global_step1/`` of a ZeRO-``stage`` run on ``world`` ranks; rank by
-    rank (a rank's partition in memory at a time; ZeRO-2's model_states also holds the bf16 model, as DeepSpeed's
-    does). Returns (parameters, fp32 master bytes)."""
+    rank (a rank's partition in memory at a time, with its moments where ``moments``; ZeRO-2's model_states also
+    holds the bf16 model, as DeepSpeed's does). Returns (parameters, fp32 master bytes)."""
     import torch
 
     params, shared = shapes_of(config)
@@ -159,14 +163,15 @@ def write_checkpoint(root, config, stage, world, progress=None):
                        os.path.join(folder, "zero_pp_rank_%d_mp_rank_00_model_states.pt" % rank))
     for rank in range(world):
         flat = (_zero3_rank if stage == 3 else _zero2_rank)(params, world, rank)
+        # in DeepSpeed's order: the base optimizer's state (the moments) is written before the fp32 masters
+        adam = {"state": {0: _adam_state(flat, moments)}, "param_groups": [{"lr": 0.01, "params": [0]}]}
         if stage == 3:
-            osd = {"zero_stage": 3, "partition_count": world, "fp32_flat_groups": [flat],
-                   "optimizer_state_dict": {"state": {0: _adam_stub()}, "param_groups": [{"lr": 0.01, "params": [0]}]}}
+            osd = {"zero_stage": 3, "partition_count": world, "optimizer_state_dict": adam, "fp32_flat_groups": [flat]}
         else:
-            osd = {"zero_stage": stage, "partition_count": [world], "single_partition_of_fp32_groups": [flat],
-                   "base_optimizer_state": {"state": {0: _adam_stub()}, "param_groups": [{"lr": 0.01, "params": [0]}]}}
+            osd = {"base_optimizer_state": adam, "single_partition_of_fp32_groups": [flat], "zero_stage": stage,
+                   "partition_count": [world]}
         torch.save({"optimizer_state_dict": osd}, _optim_path(folder, rank))
-        del flat, osd
+        del flat, osd, adam
         if progress:
             progress(rank)
     count = sum(math.prod(s) for _, s in params)

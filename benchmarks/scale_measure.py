@@ -20,17 +20,26 @@ RESERVE = 1.5 * GIB
 
 FLOOR = r'''
 import glob, os, sys, time
+import torch
 step, out, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 buf = bytearray(16 << 20)
 view = memoryview(buf)
+spans = []  # (file, offset, bytes) of each rank's fp32 masters: not the Adam moments written before them
+for path in sorted(glob.glob(os.path.join(step, "*_optim_states.pt"))):
+    osd = torch.load(path, map_location="meta", weights_only=True)["optimizer_state_dict"]
+    for t in osd.get("fp32_flat_groups") or osd.get("single_partition_of_fp32_groups"):
+        storage = t.untyped_storage()  # on the meta device: where the bytes are, none read
+        spans.append((path, storage._checkpoint_offset, storage.nbytes()))
 t = time.perf_counter()
 read = 0
-for path in sorted(glob.glob(os.path.join(step, "*_optim_states.pt"))):
+for path, offset, size in spans:
     with open(path, "rb", buffering=0) as handle:
-        while True:
-            n = handle.readinto(buf)
+        end = offset + size
+        while offset < end:
+            n = os.preadv(handle.fileno(), [view[:min(len(buf), end - offset)]], offset)
             if not n:
                 break
+            offset += n
             read += n
 t_read = time.perf_counter() - t
 t = time.perf_counter()

@@ -12,7 +12,8 @@ STYLE = (("floor", "disk floor (read masters once + write output once)", "#55555
 def _points(cases, method, field):
     """(params in billions, value, killed) of the ZeRO-3 8-rank cases, in size order."""
     out = []
-    for case in sorted((c for c in cases if c["stage"] == 3 and c["world"] == 8), key=lambda c: c["params"]):
+    for case in sorted((c for c in cases if (c["stage"], c["world"]) == (3, 8) and not c.get("moments")),
+                       key=lambda c: c["params"]):
         res = case["results"].get(method)
         if res is None:
             continue
@@ -27,10 +28,11 @@ def _points(cases, method, field):
 
 
 def _others(cases):
-    """Convert's time and memory at the cases off the main line (64 ranks, ZeRO-2)."""
+    """Convert's time and memory at the cases off the main line (64 ranks, ZeRO-2, full Adam moments)."""
     return [(c["params"] / 1e9, c["results"]["convert"]["wall_s"], c["results"]["convert"]["anon_peak"] / GIB,
-             "ZeRO-%d, %d ranks" % (c["stage"], c["world"])) for c in cases
-            if (c["stage"], c["world"]) != (3, 8) and c["results"]["convert"].get("ok")]
+             "ZeRO-%d, %d ranks%s" % (c["stage"], c["world"], ", full Adam moments" if c.get("moments") else ""))
+            for c in cases
+            if ((c["stage"], c["world"]) != (3, 8) or c.get("moments")) and c["results"]["convert"].get("ok")]
 
 
 def _panel(ax, cases, field):
