@@ -67,7 +67,8 @@ def test_smoke_exit_codes(tmp_path):
 def test_demo_passes(tmp_path):
     """The README's first command ends in `dsfix demo`: it must pass (full Qwen3-0.6B config, CPU), in that
     command's environment: no DeepSpeed (hidden here from the process by a sitecustomize), which is expected
-    and gets no warning. The main suite proves the same cycle on the narrow Qwen3 (test_smoke_exit_codes). Its output is not a terminal: progress comes as plain lines; none is over 200."""
+    and gets no warning. The main suite proves the same cycle on the narrow Qwen3 (test_smoke_exit_codes).
+    Its output is not a terminal: progress comes as plain lines; none is over 200."""
     hide = tmp_path / "no-deepspeed"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None  # as if not installed\n")
