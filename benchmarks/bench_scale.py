@@ -35,6 +35,7 @@ import common  # noqa: E402
 sys.path.insert(0, common.REPO_ROOT)
 import scale_ckpt  # noqa: E402
 import scale_measure as measure  # noqa: E402
+import scale_plot  # noqa: E402  (matplotlib is imported only when it draws)
 
 CASES = "3:8:0.6B,3:8:8B,3:8:4B,3:8:1.7B,3:64:1.7B,2:8:0.6B,2:8:1.7B"
 METHODS = (("floor", "disk floor"), ("convert", "dsfix convert"), ("verify", "dsfix verify"),
@@ -232,16 +233,11 @@ def _fit(xs, ys, at):
     return my + slope * (at - mx)
 
 
-def size_axis(case):
-    """The cases the lines are drawn through: ZeRO-3 on 8 ranks, the benchmark's stub moments."""
-    return (case["stage"], case["world"]) == (3, 8) and not case.get("moments")
-
-
 def extrapolate(cases, params=70e9):
     """Convert's peak anonymous memory, its time and the disk floor's at ``params``: straight lines fitted to
     the ZeRO-3 8-rank cases (memory grows with the largest tensor's slice, time with the bytes); labelled as
     extrapolated wherever shown."""
-    ok = [c for c in cases if size_axis(c) and c["results"]["convert"].get("ok")]
+    ok = [c for c in cases if scale_plot.size_axis(c) and c["results"]["convert"].get("ok")]
     if len(ok) < 2:
         return None
     xs = [c["params"] for c in ok]
@@ -289,8 +285,6 @@ def main(argv=None):
         with open(args.json, "w") as handle:
             json.dump(saved, handle, indent=2)
     if args.plot:
-        import scale_plot
-
         print(scale_plot.draw(saved["cases"], args.plot, extrapolate(saved["cases"])))
     failed = [c for c in saved["cases"] if not c["results"]["convert"].get("ok")
               or (c.get("bit_equal") is not None and not c["bit_equal"]["ok"])]
@@ -326,13 +320,21 @@ def _key(case):
     return case["stage"], case["world"], case["size"], bool(case.get("moments"))
 
 
+def _case(text):
+    """"3:8:4B" or "3:8:4B:moments" -> (stage, ranks, size, full moments); anything else ends the run in one line."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "moments") or not all(
+            p.isdigit() for p in parts[:2]):
+        raise SystemExit("bench_scale: a case is STAGE:RANKS:SIZE or STAGE:RANKS:SIZE:moments, not %r" % text)
+    return int(parts[0]), int(parts[1]), parts[2], len(parts) == 4
+
+
 def measure_all(args):
     from patcher.prereq import require_or_exit
 
     require_or_exit("bench_scale", deepspeed="zero_to_fp32")
     chosen = "3:8:narrow" if args.quick else (CASES if args.cases is None else args.cases)
-    cases = [(int(s), int(w), size, rest == ["moments"])
-             for s, w, size, *rest in (c.split(":") for c in chosen.split(",") if c)]
+    cases = [_case(c) for c in chosen.split(",") if c]
     work = tempfile.mkdtemp(prefix="dsfix-bench-scale-", dir=args.tmpdir)
     done = []
     try:

@@ -3,6 +3,12 @@ imported only here: the benchmark measures without it)."""
 import os
 
 GIB = 1024.0 ** 3
+
+
+def size_axis(case):
+    """The cases the lines are drawn (and bench_scale's extrapolation fitted) through: ZeRO-3 on 8 ranks, the
+    benchmark's stub moments."""
+    return (case["stage"], case["world"]) == (3, 8) and not case.get("moments")
 STYLE = (("floor", "disk floor (read masters once + write output once)", "#555555", "s", "--"),
          ("convert", "dsfix convert (every check + load check)", "#1f77b4", "o", "-"),
          ("verify", "dsfix verify of the output", "#2ca02c", "^", "-"),
@@ -12,8 +18,7 @@ STYLE = (("floor", "disk floor (read masters once + write output once)", "#55555
 def _points(cases, method, field):
     """(params in billions, value, killed) of the ZeRO-3 8-rank cases, in size order."""
     out = []
-    for case in sorted((c for c in cases if (c["stage"], c["world"]) == (3, 8) and not c.get("moments")),
-                       key=lambda c: c["params"]):
+    for case in sorted((c for c in cases if size_axis(c)), key=lambda c: c["params"]):
         res = case["results"].get(method)
         if res is None:
             continue
@@ -32,7 +37,7 @@ def _others(cases):
     return [(c["params"] / 1e9, c["results"]["convert"]["wall_s"], c["results"]["convert"]["anon_peak"] / GIB,
              "ZeRO-%d, %d ranks%s" % (c["stage"], c["world"], ", full Adam moments" if c.get("moments") else ""))
             for c in cases
-            if ((c["stage"], c["world"]) != (3, 8) or c.get("moments")) and c["results"]["convert"].get("ok")]
+            if not size_axis(c) and c["results"]["convert"].get("ok")]
 
 
 def _panel(ax, cases, field):
