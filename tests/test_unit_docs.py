@@ -58,18 +58,21 @@ def test_every_package_of_patcher_is_in_the_wheel():
 
 
 def test_the_checks_run_first_in_ci_pinned_and_named_in_contributing():
-    """`.ci/lint` (ruff and mypy) is what CONTRIBUTING gives to run before a commit, and CI's first step: before
-    the main environment is made and any test runs (the further environments' installs, started before it in
-    the background, are ended when it fails: the run's exit ends their process groups). Its own environment's
-    packages are pinned."""
+    """`.ci/lint` (ruff and mypy) is what CONTRIBUTING gives to run before a commit, and CI's first check: started
+    in the background with the installs, before the main environment is made, and waited for (a finding ends
+    the run) before any test runs; the installs still running are then ended, since the run's exit ends their
+    process groups. Its own environment's packages are pinned."""
     steps = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
-    first = min(i for i, line in enumerate(steps) if "pip install" in line or "pytest" in line
-                or ("envs.sh" in line and " install" not in line))
-    assert ".ci/lint" in steps[:first]
-    background = [line for line in steps[:first] if "envs.sh" in line]
+    first_install = min(i for i, line in enumerate(steps) if "pip install" in line)
+    first_test = min(i for i, line in enumerate(steps) if "pytest" in line or line.startswith("test_env "))
+    background = [line for line in steps[:first_install] if "envs.sh" in line or ".ci/lint" in line]
+    assert any(".ci/lint" in line for line in background), steps[:first_install]
     assert all(line.startswith("setsid ") and line.endswith("&") for line in background), background
-    assert any(line.startswith("trap ") and 'kill -- "-$pid"' in line for line in steps[:first])
+    assert any(line.startswith("trap ") and 'kill -- "-$pid"' in line for line in steps[:first_install])
+    waited = [i for i, line in enumerate(steps) if line.startswith("wait ") and "lint_pid" in line]
+    assert waited and waited[0] < first_test, "lint's result is known before any test runs"
+    assert any(line.startswith("exit ") and "lint" in line for line in steps[waited[0]:first_test])
     assert any(line.startswith(".ci/lint ") for line in (REPO / "CONTRIBUTING.md").read_text().splitlines())
     pins = [line for line in (REPO / ".ci" / "lint.txt").read_text().splitlines() if line and line[0] != "#"]
     assert pins and all(re.fullmatch(r"[a-z]+==[0-9.]+", p) for p in pins), pins
