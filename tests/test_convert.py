@@ -264,9 +264,9 @@ def test_zero3_on_two_cpu_ranks_then_convert(zero3_patched_run, tmp_path):
     saved = torch.load(str(out / "pytorch_model.bin"), weights_only=True)
     assert len(saved) == 310 and "lm_head.weight" not in saved and all(v.numel() for v in saved.values())
 
-    p = run("convert", out, "--json", timeout=300)
-    assert p.returncode == 0, p.stderr.decode()[-3000:]
-    (result,) = json.loads(p.stdout)["folders"]
+    code, stdout, stderr = cli("convert", out, "--json")
+    assert code == 0, stderr[-3000:]
+    (result,) = json.loads(stdout)["folders"]
     assert result["tensors"] == 311 and result["restored"] == ["lm_head.weight <- model.embed_tokens.weight"]
     ref = torch.load(str(folder / "ref" / "reference.pt"), weights_only=True)
     state = safetensors_state(out)
@@ -339,11 +339,11 @@ def test_step3_output_folder_converts_and_verifies_each_model(tmp_path, model, c
     assert [(os.path.basename(f["path"]), f["kind"], f["tensors"]) for f in report["folders"]] == [
         ("actor", "causal-lm", 311), ("critic", "critic", 311), ("actor_ema", "causal-lm", 311)]
 
-    p = run("verify", out, "--expect", "311", "--json", timeout=300)
-    assert p.returncode == 0, p.stderr.decode()[-3000:]
-    verified = json.loads(p.stdout)
+    code, stdout, stderr = cli("verify", out, "--expect", "311", "--json")
+    assert code == 0, stderr[-3000:]
+    verified = json.loads(stdout)
     assert verified["ok"] and [f["kind"] for f in verified["folders"]] == ["causal-lm", "critic", "causal-lm"]
-    assert b"reward/critic model" in p.stderr
+    assert "reward/critic model" in stderr
     for name in ("actor", "actor_ema"):
         assert torch.equal(reload_logits(out / name, model), logits(model))
 
@@ -411,9 +411,9 @@ def test_shapes_that_do_not_match_the_config_fail_with_nothing_written(tmp_path,
     cfg["intermediate_size"] = 96
     (folder / "config.json").write_text(json.dumps(cfg))
     before = snapshot(folder)
-    p = run("convert", folder, "--json", timeout=300)
-    assert p.returncode == 1 and b"a check failed; nothing written" in p.stderr
-    (result,) = json.loads(p.stdout)["folders"]
+    code, stdout, stderr = cli("convert", folder, "--json")
+    assert code == 1 and "a check failed; nothing written" in stderr
+    (result,) = json.loads(stdout)["folders"]
     failed = {c["name"]: c["detail"] for c in result["checks"] if not c["ok"]}
     assert result["status"] == "failed" and set(failed) == {"shapes"}
     assert "model.layers.0.mlp.gate_proj.weight [128, 64] != [96, 64]" in failed["shapes"]
