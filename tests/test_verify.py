@@ -194,6 +194,36 @@ def test_fails_on_nan_or_inf_naming_the_first_and_how_many(tmp_path, model):
     assert p.returncode == 1 and expected in p.stderr.decode(), p.stderr.decode()[-2000:]
 
 
+def test_finite_checks_on_a_thread_give_the_same_answers_and_stop_when_left(tmp_path, model):
+    """dsfix verify reads for NaN and Inf on a thread started before transformers is imported (FiniteChecks):
+    each folder's answer is the one finite_check gives in line, an error on the thread is raised where its
+    folder's answer is asked for, and leaving the block stops the thread before its next tensor."""
+    from patcher.checkpoint.check.values import FiniteChecks, finite_check
+    from patcher.checkpoint.readers.safetensors import SafetensorsFolder
+
+    sd = state(model)
+    sd["model.layers.3.mlp.down_proj.weight"][1, 1] = float("nan")
+    folders = [write_folder(tmp_path / "good", model), write_folder(tmp_path / "nan", model, sd)]
+    with FiniteChecks(folders) as started:
+        answers = [started.result(f) for f in reversed(folders)]
+    for folder, answer in zip(reversed(folders), answers):
+        with SafetensorsFolder(folder) as reader:
+            assert answer == finite_check(reader, reader.header)
+    assert [a.ok for a in answers] == [False, True] and "model.layers.3.mlp.down_proj.weight" in answers[0].detail
+
+    missing = tmp_path / "gone"
+    shutil.copytree(folders[0], missing)
+    (missing / "model.safetensors").unlink()
+    with FiniteChecks([missing]) as started:
+        with pytest.raises(DsfixError):
+            started.result(missing)
+
+    started = FiniteChecks([folders[0]] * 50)  # far more reading than the test waits for
+    with started:
+        pass
+    assert not started._thread.is_alive() and len(started._done) < 50
+
+
 def test_fails_on_mixed_dtypes(tmp_path, model):
     sd = state(model)
     sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.bfloat16)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from patcher.checkpoint.check.compare import compare_folders, is_bin_reference
 from patcher.checkpoint.check.headers import render
+from patcher.checkpoint.check.values import FiniteChecks
 from patcher.checkpoint.check.verify import leftover_check, verify_folder
 from patcher.checkpoint.readers.find import model_folders
 from patcher.checkpoint.readers.peft import read_adapter_config
@@ -61,7 +62,7 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
     compared with the reference folder of the same name instead; a PEFT adapter folder against its
     adapter_config.json and its base model's config (``base``: the base's folder, when adapter_config.json's is
     not here)."""
-    from patcher.checkpoint.quiet import quiet
+    from patcher.checkpoint.quiet import import_torch_quietly, quiet
 
     need_folder(path)
     if read_adapter_config(Path(path)) is not None and against is None:
@@ -87,10 +88,14 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
             raise DsfixError(f"{e.message}; {killed.detail}", path=e.path) from None
     if against is not None:
         check_reference(against)
-    with quiet():
-        if against is not None:
+        with quiet():
             return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
-        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True) for p in folders))
+    # the NaN and Inf checks read every weight: started first, on a thread, they read while transformers is
+    # imported and each folder's config and meta model are built
+    import_torch_quietly()
+    with FiniteChecks(folders) as started, quiet():
+        return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True, started=started)
+                                             for p in folders))
 
 
 def check_reference(against) -> None:

@@ -81,14 +81,73 @@ def stored_equal(reader: Any, head: Header, a: str, b: str) -> bool:
     return stored_difference(reader, a, reader, b, tuple(shape))[0] is None
 
 
-def finite_check(reader: Any, head: Header) -> Check:
+def finite_check(reader: Any, head: Header, stop: Any = None) -> Check:
     """No floating tensor holds NaN or Inf: each read a block of rows at a time and checked by the save module's
-    ``is_finite``; the first such tensor and how many."""
+    ``is_finite``; the first such tensor and how many. ``stop`` (a threading.Event), once set, ends the reading
+    before the next tensor: :class:`FiniteChecks` uses it when its caller is done or failed."""
     from patcher.templates.dsfix_safetensors import is_finite
 
     names = [k for k, (shape, code, _) in head.entries.items() if is_float_code(code) and 0 not in shape]
-    bad = [k for k in names if not all(is_finite(block) for block in blocks(reader, k, head.entries[k][0]))]
+    bad = []
+    for name in names:
+        if stop is not None and stop.is_set():
+            return Check("finite", False, "stopped before every tensor was read")
+        if not all(is_finite(block) for block in blocks(reader, name, head.entries[name][0])):
+            bad.append(name)
     if bad:
         return Check("finite", False,
                      f"{len(bad)} of {len(names)} floating tensors hold NaN or Inf, the first {bad[0]}")
     return Check("finite", True, f"no NaN or Inf in {len(names)} floating tensors")
+
+
+class FiniteChecks:
+    """:func:`finite_check` of each folder, one after another, on a thread started at once, while the caller does
+    what needs no weights: importing transformers, reading the config, building the model on the meta device.
+    On a large folder reading the weights is most of ``dsfix verify``'s time, and those fixed costs then add
+    little to it. ``result(folder)`` waits for a folder's check (raising what the check raised); leaving the
+    ``with`` stops the thread before its next tensor. Start it after torch is imported: torch's quiet import
+    swaps sys.stderr, which only one thread at a time may do."""
+
+    def __init__(self, folders: list) -> None:
+        import threading
+
+        from patcher.templates.dsfix_safetensors import is_finite  # noqa: F401  (imported here, not on the thread)
+
+        self._stop = threading.Event()
+        self._ready = threading.Condition()
+        self._done: dict = {}
+        self._thread = threading.Thread(target=self._run, args=([str(f) for f in folders],), daemon=True,
+                                        name="dsfix-finite-checks")
+        self._thread.start()
+
+    def _run(self, folders: list) -> None:
+        from pathlib import Path
+
+        from patcher.checkpoint.readers.safetensors import SafetensorsFolder
+
+        for folder in folders:
+            try:
+                with SafetensorsFolder(Path(folder)) as reader:
+                    outcome: tuple = (finite_check(reader, reader.header, self._stop), None)
+            except Exception as e:  # handed to the caller, raised where it waits for this folder
+                outcome = (None, e)
+            with self._ready:
+                self._done[folder] = outcome
+                self._ready.notify_all()
+            if self._stop.is_set():
+                return
+
+    def result(self, folder: Any) -> Check:
+        with self._ready:
+            self._ready.wait_for(lambda: str(folder) in self._done)
+        check, error = self._done[str(folder)]
+        if error is not None:
+            raise error
+        return check
+
+    def __enter__(self) -> "FiniteChecks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from patcher.checkpoint.check.headers import Check, against_model, dtype_check
 from patcher.checkpoint.check.load import critic_load_check, load_check
 from patcher.checkpoint.check.model import CAUSAL_LM, CRITIC, KIND_TEXT, expected, folder_kind, load_config
-from patcher.checkpoint.check.values import finite_check, stored_equal
+from patcher.checkpoint.check.values import FiniteChecks, finite_check, stored_equal
 from patcher.checkpoint.names import examples
 from patcher.checkpoint.readers.safetensors import Header, SafetensorsFolder
 from patcher.errors import DsfixError, need_folder
@@ -53,9 +53,12 @@ class VerifyReport(Checks):
         return f"{verdict}: {self.tensors} tensors, {KIND_TEXT[self.kind]}"
 
 
-def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite: bool = False) -> VerifyReport:
+def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite: bool = False,
+                  started: Optional[FiniteChecks] = None) -> VerifyReport:
     """Check the model saved in ``path``. Raises DsfixError (code 2) on bad input; failing checks give ok=False.
-    ``finite``: also read every floating tensor for NaN and Inf (``dsfix verify`` and ``dsfix smoke`` do)."""
+    ``finite``: also read every floating tensor for NaN and Inf (``dsfix verify`` and ``dsfix smoke`` do);
+    ``started``: that check already running on a thread of its own, for this folder among others (``dsfix
+    verify``), whose result is taken here instead."""
     folder = Path(path)
     need_folder(folder)
     with SafetensorsFolder(folder) as reader:
@@ -79,7 +82,7 @@ def verify_folder(path, expect: Optional[int] = None, load: bool = True, finite:
         dtype_row, dtype_name = dtype_check(head, cfg_dtype)
         checks.append(dtype_row)
         if finite:
-            checks.append(finite_check(reader, head))
+            checks.append(started.result(folder) if started is not None else finite_check(reader, head))
         if model is not None and model.tie_groups:
             checks.append(tied_check(reader, head, model.tie_groups))
         leftovers = leftover_check(folder)
