@@ -90,6 +90,14 @@ def _convert(case, out, args):
     return res
 
 
+def _read_output(out, args):
+    """The output folder read once, cold, as verify's measure (verify reads every tensor once)."""
+    res = _method(measure.python("-c", measure.READ, out), args, "one read of the output")
+    read, seconds = res["stdout"].split()
+    res.update(read_bytes=int(read), read_s=float(seconds))
+    return res
+
+
 def _verify(out, args):
     res = _method(measure.python("-m", "patcher", "verify", out, "--json"), args, "dsfix verify")
     report = _json_of(res) or {}
@@ -131,7 +139,9 @@ def run_case(stage, world, size, args, work, moments=False):
     out, z2f = os.path.join(work, "out"), os.path.join(work, "z2f")
     wanted = args.methods.split(",")
     results = {"floor": _floor(case, work, args), "convert": _convert(case, out, args)}
-    results["verify"] = _verify(out, args) if results["convert"]["ok"] and "verify" in wanted else None
+    verified = results["convert"]["ok"] and "verify" in wanted
+    results["read_output"] = _read_output(out, args) if verified else None
+    results["verify"] = _verify(out, args) if verified else None
     compare = (size in args.compare.split(",") or args.quick) and "zero_to_fp32" in wanted
     if not compare:
         shutil.rmtree(out, ignore_errors=True)
@@ -187,7 +197,10 @@ def report(cases):
 
 
 def _one_read_s(case):
-    """Reading the output folder once, cold: its bytes at the rate the same run's floor read the masters."""
+    """Reading the output folder once, cold: measured (``read_output``), or in runs before that was measured,
+    its bytes at the rate the same run's floor read the masters."""
+    if case["results"].get("read_output"):
+        return case["results"]["read_output"]["read_s"]
     floor = case["results"]["floor"]
     if not floor.get("read_s"):
         return None
@@ -309,7 +322,10 @@ def merged(paths):
                 continue
             if case["results"].get("floor") is not None:  # the earlier floor stays the earlier methods' measure
                 old["results"].setdefault("floor_before", old["results"]["floor"])
-            old["results"].update((m, r) for m, r in case["results"].items() if r is not None)
+            remeasured = {m for m, r in case["results"].items() if r is not None}
+            old["results"].update((m, case["results"][m]) for m in remeasured)
+            old["earlier"] = sorted(m for m, r in old["results"].items()
+                                    if r is not None and m not in remeasured and m != "floor_before")
             old.setdefault("runs", []).append(run["command"])
         saved["command"] += " + " + run["command"]
         saved.update({"saves": run["saves"]} if run.get("saves") else {})
@@ -374,6 +390,10 @@ def print_report(saved, args):
              min(loads), max(loads)))
     print("- memory: RssAnon and RssFile summed over each method's process tree, sampled every 20 ms; a method "
           "past %.0f GiB of anonymous memory is killed" % args.limit_gib)
+    earlier = sorted({m for c in cases for m in c.get("earlier", [])})
+    if earlier:
+        print("- runs merged: where a later run measured a case again, its methods replace the earlier run's; "
+              "%s kept the earlier run's figures, each ratio against that run's own floor" % ", ".join(earlier))
     print()
     print(report(cases))
     print()

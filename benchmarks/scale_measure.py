@@ -6,6 +6,7 @@
   method that cannot fit never leaves the kernel's OOM killer to choose a victim among other processes.
 * :func:`drop_caches`: sync, then the kernel's page cache dropped (root on Linux); False where not allowed.
 * :data:`FLOOR`: the disk floor, every fp32 master read once, then the output's bytes written once and fsynced.
+* :data:`READ`: a folder's safetensors files read once, 16 MiB at a time: what verify's time is judged by.
 * :data:`COMPARE`: two folders compared tensor by tensor, the reference cast to the output's dtype, bit for bit.
 """
 import os
@@ -49,6 +50,22 @@ with open(out, "wb", buffering=0) as handle:
         left -= handle.write(view[:min(left, len(buf))])
     os.fsync(handle.fileno())
 print("%d %.3f %.3f" % (read, t_read, time.perf_counter() - t))
+'''
+
+READ = r'''
+import glob, os, sys, time
+buf = bytearray(16 << 20)
+view = memoryview(buf)
+t = time.perf_counter()
+read = 0
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.safetensors"))):
+    with open(path, "rb", buffering=0) as handle:
+        while True:
+            n = handle.readinto(view)
+            if not n:
+                break
+            read += n
+print("%d %.3f" % (read, time.perf_counter() - t))
 '''
 
 COMPARE = r'''

@@ -45,6 +45,8 @@ def _panel(ax, cases, field):
         pts = _points(cases, method, field)
         if not pts or (field == "memory" and method == "floor"):
             continue
+        if any(method in c.get("earlier", []) for c in cases if size_axis(c)):
+            label += ", an earlier run"
         xs, ys = [p[0] for p in pts if not p[2]], [p[1] for p in pts if not p[2]]
         ax.plot(xs, ys, line, color=color, marker=marker, label=label, linewidth=2, markersize=7)
         for x, y, killed in pts:
@@ -54,7 +56,7 @@ def _panel(ax, cases, field):
                             ha="right", va="top", color=color, fontsize=9)
     shown = set()
     for x, t, mem, what in _others(cases):
-        marker = "s" if what.startswith("ZeRO-2") else "o"
+        marker = "s" if what.startswith("ZeRO-2") else ("h" if "moments" in what else "o")
         ax.plot([x], [t if field == "time" else mem], marker, mfc="none", color="#1f77b4", markersize=11,
                 markeredgewidth=1.5, label=None if what in shown else "dsfix convert, " + what)
         shown.add(what)
@@ -87,7 +89,8 @@ def draw(cases, path, guess=None):
             "x: killed by the benchmark's memory limit; the floor's memory is ~0")
     runs = {r for c in cases for r in c.get("runs", [])}
     if runs:
-        note += "\nwhere a case was measured again, its later run's methods are shown (docs/benchmarks.md)"
+        note += ("\nwhere a case was measured again, its later run's methods are shown; one marked as an earlier run "
+                 "was not measured again (docs/benchmarks.md)")
     if guess:
         note += ("\nextrapolated from these lines, not measured: converting 70B needs about %.1f GiB and %.1fx the "
                  "disk floor's time" % (guess["anon_gib"], guess["ratio"]))

@@ -58,9 +58,11 @@ def test_convert_is_bit_equal_to_zero_to_fp32(scale_run):
     assert results["convert"]["anon_peak"] < WHOLE_MODEL_BF16
 
 
-def test_verify_passes(scale_run):
+def test_verify_passes_and_is_judged_by_one_read_of_its_folder(scale_run):
     _, case = scale_run
     assert case["results"]["verify"]["ok"]
+    read = case["results"]["read_output"]["read_bytes"]  # every tensor's bytes once, and the files' headers
+    assert case["output_bytes"] < read < case["output_bytes"] + 2**20
 
 
 def test_verify_memory_is_bounded(scale_run):
