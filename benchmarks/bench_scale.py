@@ -153,6 +153,7 @@ def run_case(stage, world, size, args, work, moments=False):
     for res in results.values():
         if res is not None:
             res.pop("stdout", None)
+            res["stderr"] = res.get("stderr", "").replace(work, "WORK")  # what the saved figures keep: no paths
     case.pop("root")
     return dict(case, results=results)
 
@@ -355,7 +356,8 @@ def measure_all(args):
     done = []
     try:
         facts = common.machine_facts(work)
-        saved = {"machine": facts, "command": " ".join(sys.argv[1:]), "cases": done}
+        command = [os.path.basename(a) if a == args.json else a for a in sys.argv[1:]]  # no machine paths
+        saved = {"machine": facts, "command": " ".join(command), "cases": done}
         for stage, world, size, moments in cases:
             done.append(run_case(stage, world, size, args, work, moments))
             _keep(saved, args)  # case by case: a long run interrupted keeps what it measured
