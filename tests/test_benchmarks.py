@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # the save benchmarks on models, ZeRO-3 ranks included
+# the extended tier, with the device check, which runs bench_save too: the save benchmarks' quick runs on
+# models, ZeRO-3 ranks included
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 pytest.importorskip("transformers")
 
@@ -43,7 +45,6 @@ def test_bench_save_quick(tmp_path):
     assert by_method["finite"]["finite"] is True and by_method["finite"]["bytes_written"] == 0
 
 
-@pytest.mark.extended  # a launch of 2 ranks (17 s): beside the device check, which runs bench_save too
 def test_bench_zero3_quick(tmp_path):
     pytest.importorskip("deepspeed")
     # its own per-launch limit, below this test's, so that a hung launch is killed with all its ranks
