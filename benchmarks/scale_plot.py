@@ -9,6 +9,8 @@ def size_axis(case):
     """The cases the lines are drawn (and bench_scale's extrapolation fitted) through: ZeRO-3 on 8 ranks, the
     benchmark's stub moments."""
     return (case["stage"], case["world"]) == (3, 8) and not case.get("moments")
+
+
 STYLE = (("floor", "disk floor (read masters once + write output once)", "#555555", "s", "--"),
          ("convert", "dsfix convert (every check + load check)", "#1f77b4", "o", "-"),
          ("verify", "dsfix verify of the output", "#2ca02c", "^", "-"),
