@@ -62,7 +62,7 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
     compared with the reference folder of the same name instead; a PEFT adapter folder against its
     adapter_config.json and its base model's config (``base``: the base's folder, when adapter_config.json's is
     not here)."""
-    from patcher.checkpoint.quiet import import_torch_quietly, quiet
+    from patcher.checkpoint.quiet import quiet
 
     need_folder(path)
     if read_adapter_config(Path(path)) is not None and against is None:
@@ -92,7 +92,6 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
             return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
     # the NaN and Inf checks read every weight: started first, on a thread, they read while transformers is
     # imported and each folder's config and meta model are built
-    import_torch_quietly()
     with FiniteChecks(folders) as started, quiet():
         return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True, started=started)
                                              for p in folders))

@@ -5,10 +5,12 @@ random-access reader (:meth:`patcher.checkpoint.readers.base.Reader.slice`), nev
 from __future__ import annotations
 
 import math
+import threading
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from patcher.checkpoint.check.headers import Check
-from patcher.checkpoint.readers.safetensors import Header, is_float_code
+from patcher.checkpoint.readers.safetensors import Header, SafetensorsFolder, is_float_code
 
 BLOCK_BYTES = 64 * 2**20  # how much of a stored tensor the streamed checks read at a time
 
@@ -105,12 +107,13 @@ class FiniteChecks:
     what needs no weights: importing transformers, reading the config, building the model on the meta device.
     On a large folder reading the weights is most of ``dsfix verify``'s time, and those fixed costs then add
     little to it. ``result(folder)`` waits for a folder's check (raising what the check raised); leaving the
-    ``with`` stops the thread before its next tensor. Start it after torch is imported: torch's quiet import
-    swaps sys.stderr, which only one thread at a time may do."""
+    ``with`` stops the thread before its next tensor. torch is imported here, quietly, before the thread
+    starts: its quiet import swaps sys.stderr, which only one thread at a time may do."""
 
     def __init__(self, folders: list) -> None:
-        import threading
+        from patcher.checkpoint.quiet import import_torch_quietly
 
+        import_torch_quietly()
         from patcher.templates.dsfix_safetensors import is_finite  # noqa: F401  (imported here, not on the thread)
 
         self._stop = threading.Event()
@@ -121,10 +124,6 @@ class FiniteChecks:
         self._thread.start()
 
     def _run(self, folders: list) -> None:
-        from pathlib import Path
-
-        from patcher.checkpoint.readers.safetensors import SafetensorsFolder
-
         for folder in folders:
             try:
                 with SafetensorsFolder(Path(folder)) as reader:
