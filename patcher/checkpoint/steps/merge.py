@@ -167,7 +167,9 @@ class MergedPeft(Reader):
                 full = f"{sub_name}.{name}"
                 if merges and full.startswith(f"{out_path}."):  # the base layer's own: from the base folder
                     own = f"{_own(path)}.{full[len(out_path) + 1:]}"
-                    tensor = self._read(self.redirect.get(own, own))
+                    # a copy of its own, freed once written: merge() writes into it, and the tensor read is a
+                    # view of the file's private map, where written pages would stay until the map is closed
+                    tensor = self._read(self.redirect.get(own, own)).clone()
                 else:  # the adapter's: filled below, as PEFT loads it
                     tensor = torch.empty_like(param, device="cpu")
                 sub._parameters[name] = torch.nn.Parameter(tensor, requires_grad=param.requires_grad)
