@@ -229,7 +229,9 @@ def test_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, tiny_qwen3_helper,
 
 def _base(model, events):
     """A base folder's random-access reader over a model's state dict (its tied alias left out, as save_pretrained
-    leaves it), recording each read."""
+    leaves it), recording each read, and whether a tensor it gave before is still held by then."""
+    import weakref
+
     from patcher.checkpoint.readers.base import Held, Reader
 
     class Base(Reader):
@@ -240,10 +242,14 @@ def _base(model, events):
             self.state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
             self.tensors = {k: Held(k, tuple(v.shape), v.dtype) for k, v in self.state.items()}
             self.events = events
+            self.given: list = []
 
         def slice(self, name):
-            self.events.append(f"read {name}")
-            return self.state[name].clone()
+            held = [n for n, given in self.given if given() is not None]
+            self.events.append(f"read {name}" + (f" while {', '.join(held)} held" if held else ""))
+            tensor = self.state[name].clone()
+            self.given.append((name, weakref.ref(tensor)))
+            return tensor
 
         def describe(self):
             return "base"
@@ -266,7 +272,7 @@ def _adapter(model, config):
 
 @pytest.mark.slow
 def test_the_merge_reads_one_base_tensor_at_a_time(tiny_qwen3_helper):
-    """Memory stays bounded: each base tensor is read, merged and handed on before the next is read."""
+    """Memory stays bounded: each base tensor is read, merged and handed on, and let go, before the next is read."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     from patcher.checkpoint.steps.merge import MergedPeft

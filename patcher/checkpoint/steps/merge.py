@@ -204,6 +204,7 @@ class MergedPeft(Reader):
             else:
                 tensor = self._read(name)
             put(name, 0, tensor.reshape(-1))
+            del tensor  # before the next is read: one base tensor held at a time (an 8B's embedding is 1.2 GiB)
 
     def close(self) -> None:
         self.base.close()
