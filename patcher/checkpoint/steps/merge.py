@@ -159,6 +159,8 @@ class MergedPeft(Reader):
         loaded): that module alone on the CPU, back on the meta device after."""
         import torch
 
+        from patcher.templates.dsfix_safetensors import _trim_heap
+
         out_path, merges = self.units[path]
         scope_path = path if merges else out_path
         scope = self.model.get_submodule(scope_path)
@@ -188,6 +190,9 @@ class MergedPeft(Reader):
                   for name, p in out.named_parameters()}
         scope.to_empty(device="meta")
         getattr(scope, "_caches", {}).clear()
+        # the save module's own cure for the same trouble: glibc keeps the heap that a merge's fp32 deltas freed
+        # in pieces too scattered to reuse, and without it a 4B merge grew to 1,982 MiB (607 with it)
+        _trim_heap()
         return result
 
     def stream(self, put: Put, workdir: Optional[Path] = None) -> None:
