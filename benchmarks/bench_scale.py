@@ -20,10 +20,13 @@ so ("killed at N GiB"). One checkpoint at a time lives on disk; everything is de
     python benchmarks/bench_scale.py --plot docs/scale.png          # the grid below, about 30 min
     python benchmarks/bench_scale.py --quick                        # narrow Qwen3, 8 ranks (a smoke test)
     python benchmarks/bench_scale.py --from-json scale.json --plot docs/scale.png   # redraw only
+    python benchmarks/bench_scale.py --cases '' --more 8B          # verify --against, step 3, a PEFT merge
+    python benchmarks/bench_scale.py --cases '' --save 4B,8B --save-spill --limit-gib 22.5    # the ZeRO-3 save
 """
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -50,29 +53,9 @@ for here, _, names in os.walk(sys.argv[2], topdown=False):
 '''
 
 
-def _method(argv, args, note=None):
-    """One method from a cold cache (unless --warm), under the memory guard; the result without its output text."""
-    cold = False if args.warm else measure.drop_caches()
-    load = measure.load_now()
-    res = measure.run_tree(argv, limit=args.limit_gib * measure.GIB, cwd=common.REPO_ROOT, timeout=args.timeout)
-    res.update(cold=cold, load=load)
-    if note:
-        print("[scale]   %s: %.1f s, anon %.0f MiB%s" % (note, res["wall_s"], res["anon_peak"] / common.MIB,
-                                                         ", killed" if res["killed_at"] else ""),
-              file=sys.stderr, flush=True)
-    return res
-
-
-def _json_of(res):
-    try:
-        return json.loads(res["stdout"])
-    except ValueError:
-        return None
-
-
 def _floor(case, work, args):
     scratch = os.path.join(work, "floor.bin")
-    res = _method(measure.python("-c", measure.FLOOR, os.path.join(case["root"], "global_step1"), scratch,
+    res = measure.cold(measure.python("-c", measure.FLOOR, os.path.join(case["root"], "global_step1"), scratch,
                                  str(case["output_bytes"])), args, "disk floor")
     os.remove(scratch) if os.path.exists(scratch) else None
     read, t_read, t_write = res["stdout"].split()
@@ -81,32 +64,8 @@ def _floor(case, work, args):
     return res
 
 
-def _convert(case, out, args):
-    res = _method(measure.python("-m", "patcher", "convert", case["root"], "--output", out, "--json"), args,
-                  "dsfix convert")
-    report = _json_of(res) or {}
-    res.update(ok=bool(report.get("ok")) and res["returncode"] == 0, tensors=report.get("tensors"),
-               bytes_written=report.get("bytes_written"))
-    return res
-
-
-def _read_output(out, args):
-    """The output folder read once, cold, as verify's measure (verify reads every tensor once)."""
-    res = _method(measure.python("-c", measure.READ, out), args, "one read of the output")
-    read, seconds = res["stdout"].split()
-    res.update(read_bytes=int(read), read_s=float(seconds))
-    return res
-
-
-def _verify(out, args):
-    res = _method(measure.python("-m", "patcher", "verify", out, "--json"), args, "dsfix verify")
-    report = _json_of(res) or {}
-    res.update(ok=bool(report.get("ok")) and res["returncode"] == 0)
-    return res
-
-
 def _zero_to_fp32(case, z2f, args):
-    res = _method(measure.python("-c", Z2F, case["root"], z2f), args, "zero_to_fp32")
+    res = measure.cold(measure.python("-c", Z2F, case["root"], z2f), args, "zero_to_fp32")
     res.update(ok=res["returncode"] == 0 and not res["killed_at"])
     return res
 
@@ -114,7 +73,7 @@ def _zero_to_fp32(case, z2f, args):
 def _compare(out, z2f, args):
     res = measure.run_tree(measure.python("-c", measure.COMPARE, out, z2f), limit=args.limit_gib * measure.GIB,
                            timeout=args.timeout)
-    found = _json_of(res)
+    found = measure.json_of(res)
     return dict(found, ok=not found["differ"] and not found["only_here"]) if found else {"ok": False,
                                                                                        "error": res["stderr"]}
 
@@ -138,10 +97,12 @@ def run_case(stage, world, size, args, work, moments=False):
     case["largest_bytes"] = max(n for n in scale_ckpt.tensor_bytes(config))
     out, z2f = os.path.join(work, "out"), os.path.join(work, "z2f")
     wanted = args.methods.split(",")
-    results = {"floor": _floor(case, work, args), "convert": _convert(case, out, args)}
+    results = {"floor": _floor(case, work, args), "convert": measure.dsfix(
+        ["convert", case["root"], "--output", out], args, "dsfix convert", keep=("tensors", "bytes_written"))}
     verified = results["convert"]["ok"] and "verify" in wanted
-    results["read_output"] = _read_output(out, args) if verified else None
-    results["verify"] = _verify(out, args) if verified else None
+    # the output folder read once, cold, as verify's measure (verify reads every tensor once)
+    results["read_output"] = measure.read_once([out], args, "one read of the output") if verified else None
+    results["verify"] = measure.dsfix(["verify", out], args, "dsfix verify") if verified else None
     compare = (size in args.compare.split(",") or args.quick) and "zero_to_fp32" in wanted
     if not compare:
         shutil.rmtree(out, ignore_errors=True)
@@ -283,6 +244,13 @@ def main(argv=None):
                         help="report (and plot) these results, A[,B...]: a later run's methods replace an earlier's "
                              "in the same case; measure nothing")
     parser.add_argument("--save", default=None, help="also the ZeRO-3 save on 2 ranks at these sizes (e.g. 4B,8B)")
+    parser.add_argument("--save-spill", action="store_true",
+                        help="in the save, rank 1's partitions in a file mapped into it, not its heap: for a machine "
+                             "whose memory cannot hold both ranks' (8B on 24 GiB); rank 0, the one measured, is as "
+                             "before")
+    parser.add_argument("--more", default=None,
+                        help="also verify --against, a step-3 folder and a PEFT merge at these sizes (e.g. 8B): "
+                             "model folders written directly, no checkpoint")
     parser.add_argument("--plot", default=None, help="draw time and memory against parameters here (matplotlib)")
     args = parser.parse_args(argv)
     if args.from_json:
@@ -290,6 +258,11 @@ def main(argv=None):
     else:
         saved = measure_all(args)
     print_report(saved, args)
+    if saved.get("more"):
+        import scale_more
+
+        print("\n### Verify beyond one folder, and a PEFT merge\n")
+        print(scale_more.report(saved["more"]))
     if saved.get("saves"):
         import scale_save
 
@@ -302,6 +275,7 @@ def main(argv=None):
         print(scale_plot.draw(saved["cases"], args.plot, extrapolate(saved["cases"])))
     failed = [c for c in saved["cases"] if not c["results"]["convert"].get("ok")
               or (c.get("bit_equal") is not None and not c["bit_equal"]["ok"])]
+    failed += [m for m in saved.get("more", []) if not m["ok"]]
     return 1 if failed else 0
 
 
@@ -329,7 +303,7 @@ def merged(paths):
                                     if r is not None and m not in remeasured and m != "floor_before")
             old.setdefault("runs", []).append(run["command"])
         saved["command"] += " + " + run["command"]
-        saved.update({"saves": run["saves"]} if run.get("saves") else {})
+        saved.update({k: run[k] for k in ("saves", "more") if run.get(k)})
     return saved
 
 
@@ -357,10 +331,17 @@ def measure_all(args):
     try:
         facts = common.machine_facts(work)
         command = [os.path.basename(a) if a == args.json else a for a in sys.argv[1:]]  # no machine paths
-        saved = {"machine": facts, "command": " ".join(command), "cases": done}
+        saved = {"machine": facts, "command": " ".join(shlex.quote(a) for a in command), "cases": done}
         for stage, world, size, moments in cases:
             done.append(run_case(stage, world, size, args, work, moments))
             _keep(saved, args)  # case by case: a long run interrupted keeps what it measured
+        if args.more:
+            import scale_more
+
+            saved["more"] = []
+            for size in args.more.split(","):
+                saved["more"].append(scale_more.run_size(size, args, work))
+                _keep(saved, args)
         if args.save:
             import scale_save
 

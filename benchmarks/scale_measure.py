@@ -5,16 +5,23 @@
   20 ms); past ``limit`` bytes of anonymous memory the tree is killed and the result says at how much, so that a
   method that cannot fit never leaves the kernel's OOM killer to choose a victim among other processes.
 * :func:`drop_caches`: sync, then the kernel's page cache dropped (root on Linux); False where not allowed.
+* :func:`cold`: one method run so (the cache dropped, then :func:`run_tree`); :func:`dsfix` and :func:`read_once`
+  the two kinds of method most cases run.
 * :data:`FLOOR`: the disk floor, every fp32 master read once, then the output's bytes written once and fsynced.
-* :data:`READ`: a folder's safetensors files read once, 16 MiB at a time: what verify's time is judged by.
+* :data:`READ`: the safetensors files under one or more folders read once, 16 MiB at a time: what verify's time
+  is judged by.
+* :data:`WRITE`: a number of bytes written once to a new file and fsynced (the file then removed).
 * :data:`COMPARE`: two folders compared tensor by tensor, the reference cast to the output's dtype, bit for bit.
 """
+import json
 import os
 import resource
 import signal
 import subprocess
 import sys
 import time
+
+import common
 
 GIB = 1024.0 ** 3
 RESERVE = 1.5 * GIB
@@ -56,9 +63,11 @@ READ = r'''
 import glob, os, sys, time
 buf = bytearray(16 << 20)
 view = memoryview(buf)
+paths = sorted(p for folder in sys.argv[1:] for p in glob.glob(os.path.join(folder, "**", "*.safetensors"),
+                                                                recursive=True))
 t = time.perf_counter()
 read = 0
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.safetensors"))):
+for path in paths:
     with open(path, "rb", buffering=0) as handle:
         while True:
             n = handle.readinto(view)
@@ -66,6 +75,19 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.safetensors"))):
                 break
             read += n
 print("%d %.3f" % (read, time.perf_counter() - t))
+'''
+
+WRITE = r'''
+import os, sys, time
+buf = memoryview(bytearray(16 << 20))
+t = time.perf_counter()
+with open(sys.argv[1], "wb", buffering=0) as handle:
+    left = int(sys.argv[2])
+    while left > 0:
+        left -= handle.write(buf[:min(left, len(buf))])
+    os.fsync(handle.fileno())
+print("%.3f" % (time.perf_counter() - t))
+os.remove(sys.argv[1])
 '''
 
 COMPARE = r'''
@@ -128,6 +150,32 @@ def tree_rss(pid):
         anon, rfile = anon + a, rfile + f
         todo += _children(p)
     return anon, rfile
+
+
+def _kill_tree(pid, cgroup):
+    """SIGKILL to ``pid``'s process group and every descendant (torch.distributed.run starts its ranks in sessions
+    of their own), where ``pid`` is given (a live process), and to everything in ``cgroup``."""
+    victims, todo = set(), [] if pid is None else [pid]
+    while todo:
+        p = todo.pop()
+        victims.add(p)
+        todo += _children(p)
+    if cgroup is not None:
+        try:
+            with open(os.path.join(cgroup, "cgroup.procs")) as handle:
+                victims.update(int(p) for p in handle.read().split())
+        except OSError:
+            pass
+    if pid is not None:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in victims:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def available():
@@ -223,7 +271,7 @@ def run_tree(argv, limit=None, cwd=None, env=None, timeout=None, reserve=RESERVE
         late = timeout is not None and time.perf_counter() - start > timeout
         if over or late:
             killed_at, timed_out = (anon if over else None), late
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid, cgroup)
             proc.wait()
             break
         time.sleep(0.02)
@@ -233,6 +281,7 @@ def run_tree(argv, limit=None, cwd=None, env=None, timeout=None, reserve=RESERVE
     if cgroup is not None:
         if _oom_kills(cgroup) and killed_at is None:
             killed_at = limit  # the kernel stopped it at the cgroup's limit
+        _kill_tree(None, cgroup)  # whatever it left behind (a rank waiting on a peer the kernel killed)
         _remove_cgroup(cgroup)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -250,6 +299,45 @@ def drop_caches():
         return True
     except OSError:
         return False
+
+
+def cold(argv, args, note=None):
+    """One method from a cold cache (unless ``args.warm``), under the memory guard (``args.limit_gib``,
+    ``args.timeout``), a line on stderr when it ends."""
+    dropped = False if args.warm else drop_caches()
+    load = load_now()
+    res = run_tree(argv, limit=args.limit_gib * GIB, cwd=common.REPO_ROOT, timeout=args.timeout)
+    res.update(cold=dropped, load=load)
+    if note:
+        print("[scale]   %s: %.1f s, anon %.0f MiB%s" % (note, res["wall_s"], res["anon_peak"] / common.MIB,
+                                                         ", killed" if res["killed_at"] else ""),
+              file=sys.stderr, flush=True)
+    return res
+
+
+def json_of(res):
+    """The method's stdout as JSON, or None."""
+    try:
+        return json.loads(res["stdout"])
+    except ValueError:
+        return None
+
+
+def dsfix(argv, args, note, keep=()):
+    """``python -m patcher ARGV --json`` as a method (:func:`cold`): ok when it exits 0 and its report says so; the
+    report's fields named in ``keep`` kept."""
+    res = cold(python("-m", "patcher", *argv, "--json"), args, note)
+    report = json_of(res) or {}
+    res.update({k: report.get(k) for k in keep}, ok=bool(report.get("ok")) and res["returncode"] == 0)
+    return res
+
+
+def read_once(folders, args, note):
+    """:data:`READ` of ``folders`` as a method (:func:`cold`): its bytes and seconds."""
+    res = cold(python("-c", READ, *folders), args, note)
+    read, seconds = res["stdout"].split()
+    res.update(read_bytes=int(read), read_s=float(seconds))
+    return res
 
 
 def python(*args):

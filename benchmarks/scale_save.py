@@ -27,8 +27,13 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "st
                                    "stage3_gather_16bit_weights_on_model_save": True}}
 
 
-def build(size, rank, world):
-    """The partitioned model on this rank, its partitions filled with seeded values; the DeepSpeed engine."""
+def build(size, rank, world, spill=None):
+    """The partitioned model on this rank, its partitions filled with seeded values; the DeepSpeed engine.
+
+    With ``spill`` (a file's path), this rank's partitions are written to that file and mapped from it instead of
+    held in its heap: the page cache keeps them while memory allows, and the kernel reads them back when it does
+    not. The values are the same; only where they live changes.
+    """
     import deepspeed
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -39,6 +44,7 @@ def build(size, rank, world):
     with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=DS_CONFIG, dtype=torch.bfloat16):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**kwargs), torch_dtype=torch.bfloat16)
     buf = torch.empty(0)
+    spilled = open(spill, "wb") if spill else None
     with torch.no_grad():
         for name, param in model.named_parameters():
             part = param.ds_tensor.numel()
@@ -47,10 +53,32 @@ def build(size, rank, world):
                 buf = torch.empty(part)
             buf[:part].zero_()
             scale_ckpt.fill(buf[:count], name, rank * part)
-            param.ds_tensor.view(-1).copy_(buf[:part])
+            if spilled:
+                spilled.write(buf[:part].to(torch.bfloat16).view(torch.uint8).numpy().data)
+            else:
+                param.ds_tensor.view(-1).copy_(buf[:part])
     del buf
+    if spilled:
+        _map_partitions(model, spilled)
     engine = deepspeed.initialize(model=model, config=DS_CONFIG)[0]
     return engine
+
+
+def _map_partitions(model, spilled):
+    """Each parameter's partition becomes its window of the spill file, mapped copy-on-write (nothing writes it)."""
+    import torch
+
+    spilled.flush()
+    os.fsync(spilled.fileno())
+    spilled.close()
+    total = os.path.getsize(spilled.name) // 2
+    mapped = torch.from_file(spilled.name, shared=False, size=total, dtype=torch.bfloat16)
+    first = 0
+    for param in model.parameters():
+        part = param.ds_tensor.numel()
+        param.ds_tensor.data = mapped[first:first + part].view(param.ds_tensor.shape)
+        first += part
+    assert first == total, (first, total)
 
 
 def _timed(dist, fn):
@@ -76,7 +104,9 @@ def _write_floor(path, nbytes):
 
 
 def _check_bits(engine, out, rank):
-    """Three tensors gathered again (the largest, one layer's, the last) and compared with the saved files."""
+    """Three tensors gathered again (the largest, one layer's, the last) and compared with the saved files, and
+    with the seeded values the ranks were filled with (so a partition that went wrong on its way, to a spill file
+    or elsewhere, is seen too)."""
     import deepspeed
     import torch
     from safetensors import safe_open
@@ -93,7 +123,11 @@ def _check_bits(engine, out, rank):
     for name in names:
         with deepspeed.zero.GatheredParameters([params[name]]):
             if rank == 0:
-                equal[name] = bool(torch.equal(handles[name].get_tensor(name), params[name].data))
+                gathered = params[name].data
+                seeded = scale_ckpt.fill(torch.empty(gathered.numel()), name, 0).to(gathered.dtype)
+                equal[name] = bool(torch.equal(handles[name].get_tensor(name), gathered)
+                                   and torch.equal(gathered.view(-1), seeded))
+                del gathered, seeded
     return equal
 
 
@@ -151,7 +185,8 @@ def worker(args):
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     begin = time.perf_counter()
-    engine = build(args.size, rank, world)
+    spill = os.path.join(args.work, "rank%d.partitions" % rank) if args.spill and rank > 0 else None
+    engine = build(args.size, rank, world, spill)
     build_s = time.perf_counter() - begin
     model_bytes = sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
     largest = max(p.ds_numel * p.element_size() for p in engine.module.parameters())
@@ -170,7 +205,7 @@ def launch(size, method, args, work):
     result = os.path.join(work, "save-%s-%s.json" % (size, method))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.abspath(__file__), "--worker", "--size", size, "--method", method, "--work", work,
-           "--result", result]
+           "--result", result] + (["--spill"] if args.save_spill else [])
     env = rank_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=common.REPO_ROOT), nproc=2)
     print("[scale] ZeRO-3 save, %s, %s: 2 ranks" % (size, method), file=sys.stderr, flush=True)
     res = measure.run_tree(cmd, limit=args.limit_gib * measure.GIB, env=env, timeout=args.timeout)
@@ -181,8 +216,11 @@ def launch(size, method, args, work):
         os.remove(result)
     for name in ("saved", "saved.floor", "ds-saved"):
         shutil.rmtree(os.path.join(work, name), ignore_errors=True)
-    return dict(found, tree_anon_peak=res["anon_peak"], killed_at=res["killed_at"], wall_s=res["wall_s"],
-                returncode=res["returncode"], error=None if found else res["stderr"][-1500:] + res["stdout"][-1500:])
+    for name in (n for n in os.listdir(work) if n.endswith(".partitions")):
+        os.remove(os.path.join(work, name))
+    return dict(found, spill=args.save_spill, tree_anon_peak=res["anon_peak"], killed_at=res["killed_at"],
+                wall_s=res["wall_s"], returncode=res["returncode"],
+                error=None if found else res["stderr"][-1500:] + res["stdout"][-1500:])
 
 
 def run_sizes(sizes, args, work):
@@ -218,7 +256,7 @@ def report(saves):
     header = ["model", "model MiB (bf16)", "largest tensor MiB", "gather of the largest s",
               "its rank-0 peak above MiB", "gathers alone s", "their rank-0 peak above MiB", "write floor s",
               "dsfix save s",
-              "dsfix rank-0 peak above MiB", "tensors bit-equal to a gather",
+              "dsfix rank-0 peak above MiB", "tensors bit-equal to a gather and the seeded values",
               "DeepSpeed consolidated + torch.save"]
     return common.table(header, rows) + "\n\n" + "\n".join(lines)
 
@@ -241,6 +279,7 @@ def main(argv=None):
     parser.add_argument("--method")
     parser.add_argument("--work")
     parser.add_argument("--result")
+    parser.add_argument("--spill", action="store_true")
     parser.add_argument("--local_rank", type=int)
     args = parser.parse_args(argv)
     sys.path.insert(0, common.REPO_ROOT)

@@ -1,8 +1,9 @@
 """benchmarks/bench_scale.py's smallest real form as a test of behaviour (never of time): a synthetic Qwen3-0.6B
 ZeRO-3 checkpoint of 8 ranks, written rank by rank, converted by dsfix, verified by dsfix, and converted by
-DeepSpeed's zero_to_fp32 with its defaults; dsfix's output bit-equal to zero_to_fp32's cast to bf16.
+DeepSpeed's zero_to_fp32 with its defaults; dsfix's output bit-equal to zero_to_fp32's cast to bf16. And
+``--more`` at the narrow Qwen3's size: verify --against, a step-3 folder and a PEFT merge, each in bounded memory.
 
-One run of the benchmark (55 s on the 2-core machine at load 3, zero_to_fp32 and the comparison included)
+One run of the benchmark (100 s on the 2-core machine, zero_to_fp32, the comparison and ``--more`` included)
 serves every test here; the extended tier runs it with --warm: the page cache kept, not dropped before each
 method, which would slow every other test running beside it.
 """
@@ -30,17 +31,18 @@ def scale_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("scale")
     json_path = work / "scale.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_scale.py"),
-                           "--cases", "3:8:0.6B", "--compare", "0.6B", "--warm", "--tmpdir", str(work), "--json",
-                           str(json_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          timeout=900)
+                           "--cases", "3:8:0.6B", "--compare", "0.6B", "--more", "narrow", "--warm", "--tmpdir",
+                           str(work), "--json", str(json_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in work.iterdir()) == ["scale.json"]  # every checkpoint and output deleted
-    (case,) = json.loads(json_path.read_text())["cases"]
-    return proc.stdout, case
+    saved = json.loads(json_path.read_text())
+    (case,) = saved["cases"]
+    return proc.stdout, case, saved["more"]
 
 
 def test_checkpoint_is_made_rank_by_rank(scale_run):
-    _, case = scale_run
+    _, case, _ = scale_run
     assert (case["stage"], case["world"], case["size"]) == (3, 8, "0.6B")
     assert case["params"] == 596049920 and case["master_bytes"] == 4 * case["params"]
     floor = case["results"]["floor"]
@@ -48,7 +50,7 @@ def test_checkpoint_is_made_rank_by_rank(scale_run):
 
 
 def test_convert_is_bit_equal_to_zero_to_fp32(scale_run):
-    text, case = scale_run
+    text, case, _ = scale_run
     results = case["results"]
     assert results["convert"]["ok"] and results["convert"]["tensors"] == 311
     assert results["zero_to_fp32"]["ok"]
@@ -59,7 +61,7 @@ def test_convert_is_bit_equal_to_zero_to_fp32(scale_run):
 
 
 def test_verify_passes_and_is_judged_by_one_read_of_its_folder(scale_run):
-    _, case = scale_run
+    _, case, _ = scale_run
     assert case["results"]["verify"]["ok"]
     read = case["results"]["read_output"]["read_bytes"]  # every tensor's bytes once, and the files' headers
     assert case["output_bytes"] < read < case["output_bytes"] + 2**20
@@ -67,7 +69,24 @@ def test_verify_passes_and_is_judged_by_one_read_of_its_folder(scale_run):
 
 def test_verify_memory_is_bounded(scale_run):
     """A whole-model load breaks this bound (in fp32: 2.2 GiB; in bf16, with torch imported: about 1.4 GiB)."""
-    _, case = scale_run
+    _, case, _ = scale_run
     bound = 1 * GIB + LARGEST_BF16
     assert bound < WHOLE_MODEL_BF16 + 0.25 * GIB < 4 * 596049920
     assert case["results"]["verify"]["anon_peak"] <= bound, math.ceil(case["results"]["verify"]["anon_peak"] / 2**20)
+
+
+def test_verify_against_a_step3_folder_and_a_peft_merge_pass_in_bounded_memory(scale_run):
+    """--more: two model folders of the same values compared, a step-3 folder (actor, actor_ema, critic)
+    verified, a LoRA adapter of PEFT's own naming merged into its base, and the merged folder verified."""
+    text, _, more = scale_run
+    (found,) = more
+    assert found["size"] == "narrow" and found["ok"]
+    results = found["results"]
+    for key in ("against", "step3", "merge", "verify_merged"):
+        assert results[key]["ok"] and results[key]["anon_peak"] <= GIB + found["largest_bytes"], key
+    # each judged by reading what it reads: both folders; actor, actor_ema and critic; the merged folder
+    assert 2 * found["folder_bytes"] < results["read_pair"]["read_bytes"] < 2 * found["folder_bytes"] + 2**20
+    assert results["read_step3"]["read_bytes"] > results["read_pair"]["read_bytes"]
+    assert found["folder_bytes"] < results["read_merged"]["read_bytes"] < found["folder_bytes"] + 2**20
+    assert "| narrow, dsfix verify A --against B (two folders) |" in text
+    assert "narrow, dsfix convert --merge, a LoRA adapter into its base: anon" in text
