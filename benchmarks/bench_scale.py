@@ -57,7 +57,6 @@ def _floor(case, work, args):
     scratch = os.path.join(work, "floor.bin")
     res = measure.cold(measure.python("-c", measure.FLOOR, os.path.join(case["root"], "global_step1"), scratch,
                                  str(case["output_bytes"])), args, "disk floor")
-    os.remove(scratch) if os.path.exists(scratch) else None
     read, t_read, t_write = res["stdout"].split()
     res.update(read_bytes=int(read), read_s=float(t_read), write_s=float(t_write))
     res["floor_s"] = res["read_s"] + res["write_s"]

@@ -71,6 +71,13 @@ def fill(out, name, first):
     return out
 
 
+def seeded(name, shape, dtype):
+    """The whole of ``name``'s master values, shaped and cast to ``dtype``: what every rank's slice is part of."""
+    import torch
+
+    return fill(torch.empty(math.prod(shape)), name, 0).to(dtype).view(shape)
+
+
 def _common(params, shared, world, stage):
     import torch
 

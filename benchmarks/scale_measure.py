@@ -7,10 +7,12 @@
 * :func:`drop_caches`: sync, then the kernel's page cache dropped (root on Linux); False where not allowed.
 * :func:`cold`: one method run so (the cache dropped, then :func:`run_tree`); :func:`dsfix` and :func:`read_once`
   the two kinds of method most cases run.
-* :data:`FLOOR`: the disk floor, every fp32 master read once, then the output's bytes written once and fsynced.
+* :data:`FLOOR`: the disk floor, every fp32 master read once, then the output's bytes written once and fsynced
+  (:func:`write_once`).
 * :data:`READ`: the safetensors files under one or more folders read once, 16 MiB at a time: what verify's time
   is judged by.
-* :data:`WRITE`: a number of bytes written once to a new file and fsynced (the file then removed).
+* :data:`WRITE`: :func:`write_once` as a method of its own: a number of bytes written once to a new file and
+  fsynced (the file then removed).
 * :data:`COMPARE`: two folders compared tensor by tensor, the reference cast to the output's dtype, bit for bit.
 """
 import json
@@ -50,13 +52,9 @@ for path, offset, size in spans:
             offset += n
             read += n
 t_read = time.perf_counter() - t
-t = time.perf_counter()
-with open(out, "wb", buffering=0) as handle:
-    left = nbytes
-    while left > 0:
-        left -= handle.write(view[:min(left, len(buf))])
-    os.fsync(handle.fileno())
-print("%d %.3f %.3f" % (read, t_read, time.perf_counter() - t))
+sys.path.insert(0, "benchmarks")  # the method runs in the repository's root
+import scale_measure
+print("%d %.3f %.3f" % (read, t_read, scale_measure.write_once(out, nbytes)))
 '''
 
 READ = r'''
@@ -78,16 +76,10 @@ print("%d %.3f" % (read, time.perf_counter() - t))
 '''
 
 WRITE = r'''
-import os, sys, time
-buf = memoryview(bytearray(16 << 20))
-t = time.perf_counter()
-with open(sys.argv[1], "wb", buffering=0) as handle:
-    left = int(sys.argv[2])
-    while left > 0:
-        left -= handle.write(buf[:min(left, len(buf))])
-    os.fsync(handle.fileno())
-print("%.3f" % (time.perf_counter() - t))
-os.remove(sys.argv[1])
+import sys
+sys.path.insert(0, "benchmarks")  # the method runs in the repository's root
+import scale_measure
+print("%.3f" % scale_measure.write_once(sys.argv[1], int(sys.argv[2])))
 '''
 
 COMPARE = r'''
@@ -141,25 +133,29 @@ def _rss(pid):
     return anon, rfile
 
 
-def tree_rss(pid):
-    """(anonymous, file-backed) bytes of ``pid`` and all its descendants now."""
-    todo, anon, rfile = [pid], 0, 0
+def _tree(pid):
+    """``pid`` and all its descendants now."""
+    found, todo = [], [pid]
     while todo:
         p = todo.pop()
+        found.append(p)
+        todo += _children(p)
+    return found
+
+
+def tree_rss(pid):
+    """(anonymous, file-backed) bytes of ``pid`` and all its descendants now."""
+    anon = rfile = 0
+    for p in _tree(pid):
         a, f = _rss(p)
         anon, rfile = anon + a, rfile + f
-        todo += _children(p)
     return anon, rfile
 
 
 def _kill_tree(pid, cgroup):
     """SIGKILL to ``pid``'s process group and every descendant (torch.distributed.run starts its ranks in sessions
     of their own), where ``pid`` is given (a live process), and to everything in ``cgroup``."""
-    victims, todo = set(), [] if pid is None else [pid]
-    while todo:
-        p = todo.pop()
-        victims.add(p)
-        todo += _children(p)
+    victims = set() if pid is None else set(_tree(pid))
     if cgroup is not None:
         try:
             with open(os.path.join(cgroup, "cgroup.procs")) as handle:
@@ -338,6 +334,21 @@ def read_once(folders, args, note):
     read, seconds = res["stdout"].split()
     res.update(read_bytes=int(read), read_s=float(seconds))
     return res
+
+
+def write_once(path, nbytes):
+    """``nbytes`` written once to a new file at ``path``, 16 MiB at a time, and fsynced; the file then removed.
+    The seconds it took: the disk's write floor."""
+    chunk = memoryview(bytearray(16 << 20))
+    begin = time.perf_counter()
+    with open(path, "wb", buffering=0) as handle:
+        left = nbytes
+        while left > 0:
+            left -= handle.write(chunk[:min(left, len(chunk))])
+        os.fsync(handle.fileno())
+    seconds = time.perf_counter() - begin
+    os.remove(path)
+    return seconds
 
 
 def python(*args):

@@ -20,6 +20,7 @@ The bounds are the issue's for verify: peak anonymous memory <= 1 GiB + the larg
 read (for the merge, a conversion: 1.5x its floor as well; its memory bound the same).
 """
 import json
+import math
 import os
 import shutil
 import sys
@@ -35,23 +36,11 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 CRITIC_SIZE = {"narrow": "narrow"}  # the critic's shapes by the actor's size: Qwen3-0.6B's but for --more narrow
 
 
-def _values(name, shape):
-    """bf16 values of ``name``: the generator's seeded fp32 ones, cast."""
-    import torch
-
-    numel = 1
-    for n in shape:
-        numel *= n
-    return scale_ckpt.fill(torch.empty(numel), name, 0).to(torch.bfloat16).view(shape)
-
-
 def _shards(named):
     """[(name, shape)] grouped into shards of about SHARD_BYTES (bf16), in order."""
     shards, current, size = [], [], 0
     for name, shape in named:
-        nbytes = 2
-        for n in shape:
-            nbytes *= n
+        nbytes = 2 * math.prod(shape)
         if current and size + nbytes > SHARD_BYTES:
             shards.append(current)
             current, size = [], 0
@@ -62,6 +51,7 @@ def _shards(named):
 
 def write_folder(folder, config, named):
     """A bf16 safetensors model folder of ``named`` [(key, shape)], values by the key's name, with config.json."""
+    import torch
     from safetensors.torch import save_file
 
     os.makedirs(folder)
@@ -69,7 +59,7 @@ def write_folder(folder, config, named):
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         file = "model-%05d-of-%05d.safetensors" % (i + 1, len(shards))
-        tensors = {name: _values(name, shape) for name, shape in shard}
+        tensors = {name: scale_ckpt.seeded(name, shape, torch.bfloat16) for name, shape in shard}
         save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
         total += sum(t.numel() * 2 for t in tensors.values())
         weight_map.update((name, file) for name in tensors)
@@ -111,7 +101,7 @@ def write_adapter(folder, config, base):
     peft_model = get_peft_model(model, lora)
     shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(peft_model).items()}
     os.makedirs(folder)
-    tensors = {k: scale_ckpt.fill(torch.empty(torch.Size(s).numel()), k, 0).view(s) for k, s in shapes.items()}
+    tensors = {k: scale_ckpt.seeded(k, s, torch.float32) for k, s in shapes.items()}
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
     lora.save_pretrained(folder)
     common.fsync_tree(folder)

@@ -93,16 +93,6 @@ def _timed(dist, fn):
     return max(every), peak
 
 
-def _write_floor(path, nbytes):
-    chunk = memoryview(bytearray(16 << 20))
-    with open(path, "wb", buffering=0) as handle:
-        left = nbytes
-        while left > 0:
-            left -= handle.write(chunk[:min(left, len(chunk))])
-        os.fsync(handle.fileno())
-    os.remove(path)
-
-
 def _check_bits(engine, out, rank):
     """Three tensors gathered again (the largest, one layer's, the last) and compared with the saved files, and
     with the seeded values the ranks were filled with (so a partition that went wrong on its way, to a spill file
@@ -124,9 +114,9 @@ def _check_bits(engine, out, rank):
         with deepspeed.zero.GatheredParameters([params[name]]):
             if rank == 0:
                 gathered = params[name].data
-                seeded = scale_ckpt.fill(torch.empty(gathered.numel()), name, 0).to(gathered.dtype)
+                seeded = scale_ckpt.seeded(name, tuple(gathered.shape), gathered.dtype)
                 equal[name] = bool(torch.equal(handles[name].get_tensor(name), gathered)
-                                   and torch.equal(gathered.view(-1), seeded))
+                                   and torch.equal(gathered, seeded))
                 del gathered, seeded
     return equal
 
@@ -154,7 +144,7 @@ def dsfix_run(engine, args, rank, dist):
     result["bytes_written"], result["files"] = sum(files.values()), len(files)
     nbytes = [result["bytes_written"]]
     dist.broadcast_object_list(nbytes, src=0)
-    result["write_floor_s"], _ = _timed(dist, lambda: rank == 0 and _write_floor(out + ".floor", nbytes[0]))
+    result["write_floor_s"], _ = _timed(dist, lambda: rank == 0 and measure.write_once(out + ".floor", nbytes[0]))
     result["bit_equal"] = _check_bits(engine, out, rank)
     return result
 
