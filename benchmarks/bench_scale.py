@@ -329,8 +329,7 @@ def measure_all(args):
     done = []
     try:
         facts = common.machine_facts(work)
-        command = [os.path.basename(a) if a == args.json else a for a in sys.argv[1:]]  # no machine paths
-        saved = {"machine": facts, "command": " ".join(shlex.quote(a) for a in command), "cases": done}
+        saved = {"machine": facts, "command": saved_command(sys.argv[1:], args), "cases": done}
         for stage, world, size, moments in cases:
             done.append(run_case(stage, world, size, args, work, moments))
             _keep(saved, args)  # case by case: a long run interrupted keeps what it measured
@@ -349,6 +348,16 @@ def measure_all(args):
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return saved
+
+
+def saved_command(argv, args):
+    """The command line as the results keep it, with no machine paths: the --json file by its name alone, the
+    --tmpdir folder as DIR."""
+    def kept(arg):
+        if args.json and arg == args.json:
+            return os.path.basename(arg)
+        return arg.replace(args.tmpdir, "DIR") if args.tmpdir else arg
+    return " ".join(shlex.quote(kept(a)) for a in argv)
 
 
 def _keep(saved, args):

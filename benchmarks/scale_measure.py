@@ -239,7 +239,8 @@ def run_tree(argv, limit=None, cwd=None, env=None, timeout=None, reserve=RESERVE
     past ``timeout`` seconds. Returns a dict: wall_s, cpu_s, anon_peak, file_peak (bytes), returncode, killed_at
     (bytes, or None), timed_out, stdout, stderr (its tail)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    env = dict(os.environ if env is None else env, NO_COLOR="1", TOKENIZERS_PARALLELISM="false")
+    # COLUMNS: a report's table rows unwrapped, so the work folder's path, scrubbed from what is saved, is whole
+    env = dict(os.environ if env is None else env, NO_COLOR="1", TOKENIZERS_PARALLELISM="false", COLUMNS="1000")
     cgroup = memory_cgroup(limit) if limit is not None else None
 
     def enter():  # in the child, before it runs argv: it and all it starts are held by the cgroup

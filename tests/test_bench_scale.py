@@ -36,6 +36,7 @@ def scale_run(tmp_path_factory):
                           stderr=subprocess.PIPE, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in work.iterdir()) == ["scale.json"]  # every checkpoint and output deleted
+    assert str(work) not in json_path.read_text()  # no machine paths: the --tmpdir folder is kept as DIR
     saved = json.loads(json_path.read_text())
     (case,) = saved["cases"]
     return proc.stdout, case, saved["more"]
