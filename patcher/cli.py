@@ -193,7 +193,8 @@ def verify(
     require("verify")
     from patcher.checkpoint.verify import verify_path  # the input is checked before torch is imported
 
-    return verify_path(folder, expect=expect, load=load, against=against, atol=atol, rtol=rtol, base=base)
+    return verify_path(folder, expect=expect, load=load, against=against, atol=atol, rtol=rtol, base=base,
+                       console=err.console)
 
 
 class OutDType(str, Enum):

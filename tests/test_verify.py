@@ -1,6 +1,7 @@
 """patcher.checkpoint.verify: checks a saved folder against its config, reading headers (CPU, narrow Qwen3)."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -222,6 +223,32 @@ def test_finite_checks_on_a_thread_give_the_same_answers_and_stop_when_left(tmp_
     with started:
         pass
     assert not started._thread.is_alive() and len(started._done) < 50
+
+
+def test_the_nan_pass_counts_every_byte_for_its_progress(tmp_path, model, monkeypatch):
+    """verify's progress: finite_check hands each block's bytes to ``advance``, and they add up to finite_bytes
+    (the progress's total), in a clean folder and in one whose NaN ends a tensor's checking after its first
+    block; with a console off a terminal, FiniteChecks prints the plain line."""
+    from rich.console import Console
+
+    from patcher.checkpoint.check import values
+    from patcher.checkpoint.readers.safetensors import SafetensorsFolder
+
+    monkeypatch.setattr(values, "BLOCK_BYTES", 4096)  # several blocks a tensor
+    sd = state(model)
+    sd["model.layers.3.mlp.down_proj.weight"][0, 0] = float("nan")
+    folders = [write_folder(tmp_path / "good", model), write_folder(tmp_path / "nan", model, sd)]
+    for folder, ok in zip(folders, (True, False)):
+        counted: list = []
+        with SafetensorsFolder(folder) as reader:
+            assert values.finite_check(reader, reader.header, advance=counted.append).ok is ok
+            assert sum(counted) == values.finite_bytes(reader.header) > 0 and len(counted) > len(reader.header.entries)
+
+    monkeypatch.setattr(values, "MIN_BYTES", 0)
+    console = Console(file=io.StringIO(), force_terminal=False, width=200)
+    with values.FiniteChecks(folders, console) as started:
+        assert [started.result(f).ok for f in folders] == [True, False]
+    assert console.file.getvalue().startswith("dsfix verify: reading every tensor (NaN and Inf): 0 MB of ")
 
 
 def test_fails_on_mixed_dtypes(tmp_path, model):

@@ -26,6 +26,7 @@ from typing import Any, Optional
 INTERVAL = 5.0  # seconds: at most one line this often
 HEARTBEAT = 30.0  # seconds: a line this often while nothing changes
 RATE_WINDOW = 10.0  # seconds: the time left is reckoned at the rate of the bytes done in this last stretch
+MIN_BYTES = 64 * 2**20  # convert and verify show their bytes' progress from this much data on
 
 
 def _elapsed(seconds: float) -> str:

@@ -57,11 +57,11 @@ class VerifyResult(Result):
 
 
 def verify_path(path, expect: Optional[int] = None, load: bool = True, against=None, atol: float = 0.0,
-                rtol: float = 0.0, base=None) -> VerifyResult:
+                rtol: float = 0.0, base=None, console: Any = None) -> VerifyResult:
     """``dsfix verify PATH``: every model folder under ``path`` (see ``model_folders``), or with ``against`` each
     compared with the reference folder of the same name instead; a PEFT adapter folder against its
     adapter_config.json and its base model's config (``base``: the base's folder, when adapter_config.json's is
-    not here)."""
+    not here). ``console``: where the reading's progress goes (None: nowhere)."""
     from patcher.checkpoint.quiet import quiet
 
     need_folder(path)
@@ -92,7 +92,7 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
             return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
     # the NaN and Inf checks read every weight: started first, on a thread, they read while transformers is
     # imported and each folder's config and meta model are built
-    with FiniteChecks(folders) as started, quiet():
+    with FiniteChecks(folders, console) as started, quiet():
         return VerifyResult(str(path), tuple(verify_folder(p, expect=expect, load=load, finite=True, started=started)
                                              for p in folders))
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from patcher.checkpoint.check.headers import Check
-from patcher.checkpoint.readers.safetensors import Header, SafetensorsFolder, is_float_code
+from patcher.checkpoint.progress import MIN_BYTES, Progress
+from patcher.checkpoint.readers.safetensors import Header, SafetensorsFolder, dtype_name, is_float_code
 
 BLOCK_BYTES = 64 * 2**20  # how much of a stored tensor the streamed checks read at a time
 
@@ -83,18 +84,37 @@ def stored_equal(reader: Any, head: Header, a: str, b: str) -> bool:
     return stored_difference(reader, a, reader, b, tuple(shape))[0] is None
 
 
-def finite_check(reader: Any, head: Header, stop: Any = None) -> Check:
+def finite_names(head: Header) -> list:
+    """The tensors the NaN and Inf check reads: every floating one that is not empty."""
+    return [k for k, (shape, code, _) in head.entries.items() if is_float_code(code) and 0 not in shape]
+
+
+def finite_bytes(head: Header) -> int:
+    """How many bytes :func:`finite_check` reads: the progress's total."""
+    import torch
+
+    return sum(math.prod(head.entries[k][0]) * torch.empty((), dtype=getattr(torch, dtype_name(head.entries[k][1])))
+               .element_size() for k in finite_names(head))
+
+
+def finite_check(reader: Any, head: Header, stop: Any = None, advance: Any = None) -> Check:
     """No floating tensor holds NaN or Inf: each read a block of rows at a time and checked by the save module's
     ``is_finite``; the first such tensor and how many. ``stop`` (a threading.Event), once set, ends the reading
-    before the next tensor: :class:`FiniteChecks` uses it when its caller is done or failed."""
+    before the next tensor: :class:`FiniteChecks` uses it when its caller is done or failed. ``advance(nbytes)``,
+    when given, hears of each block read."""
     from patcher.templates.dsfix_safetensors import is_finite
 
-    names = [k for k, (shape, code, _) in head.entries.items() if is_float_code(code) and 0 not in shape]
+    names = finite_names(head)
     bad = []
     for name in names:
         if stop is not None and stop.is_set():
             return Check("finite", False, "stopped before every tensor was read")
-        if not all(is_finite(block) for block in blocks(reader, name, head.entries[name][0])):
+        finite = True
+        for block in blocks(reader, name, head.entries[name][0]):
+            finite = finite and is_finite(block)  # past a failing block the rest is counted, not read
+            if advance is not None:
+                advance(block.numel() * block.element_size())
+        if not finite:
             bad.append(name)
     if bad:
         return Check("finite", False,
@@ -108,14 +128,22 @@ class FiniteChecks:
     On a large folder reading the weights is most of ``dsfix verify``'s time, and those fixed costs then add
     little to it. ``result(folder)`` waits for a folder's check (raising what the check raised); leaving the
     ``with`` stops the thread before its next tensor. torch is imported here, quietly, before the thread
-    starts: its quiet import swaps sys.stderr, which only one thread at a time may do."""
+    starts: its quiet import swaps sys.stderr, which only one thread at a time may do.
 
-    def __init__(self, folders: list) -> None:
+    With a ``console``, the reading shows its progress (:class:`patcher.checkpoint.progress.Progress`: a bar on a
+    terminal, lines with the time left in a log) from :data:`~patcher.checkpoint.progress.MIN_BYTES` on: on a
+    70B folder it is minutes of reading."""
+
+    def __init__(self, folders: list, console: Any = None) -> None:
         from patcher.checkpoint.quiet import import_torch_quietly
 
         import_torch_quietly()
         from patcher.templates.dsfix_safetensors import is_finite  # noqa: F401  (imported here, not on the thread)
 
+        self._progress = Progress(console, "dsfix verify", total=sum(_finite_total(f) for f in folders),
+                                  min_total=MIN_BYTES)
+        self._progress.__enter__()
+        self._progress.phase("reading every tensor (NaN and Inf)")
         self._stop = threading.Event()
         self._ready = threading.Condition()
         self._done: dict = {}
@@ -127,7 +155,7 @@ class FiniteChecks:
         for folder in folders:
             try:
                 with SafetensorsFolder(Path(folder)) as reader:
-                    outcome: tuple = (finite_check(reader, reader.header, self._stop), None)
+                    outcome: tuple = (finite_check(reader, reader.header, self._stop, self._progress.advance), None)
             except Exception as e:  # handed to the caller, raised where it waits for this folder
                 outcome = (None, e)
             with self._ready:
@@ -150,3 +178,14 @@ class FiniteChecks:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
+        self._progress.__exit__(*exc)
+
+
+def _finite_total(folder: Any) -> int:
+    """The bytes :func:`finite_check` reads in ``folder``; 0 where its headers cannot be read (the check, on the
+    thread, then says why)."""
+    try:
+        with SafetensorsFolder(Path(folder)) as reader:
+            return finite_bytes(reader.header)
+    except Exception:
+        return 0

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from patcher.checkpoint.progress import MIN_BYTES as PROGRESS_MIN_BYTES
 from patcher.checkpoint.progress import Progress
 from patcher.checkpoint.write.stage import Job, Staged, commit, discard, stage_job
 from patcher.errors import Written, stop_point
-
-PROGRESS_MIN_BYTES = 64 * 2**20  # show progress (a bar on a terminal, lines elsewhere) from this much data on
 
 __all__ = ["Job", "Staged", "write", "PROGRESS_MIN_BYTES"]
 
