@@ -116,6 +116,40 @@ def test_large_tensors_are_read_a_block_of_rows_at_a_time(tmp_path, monkeypatch)
     assert report.rows[0].max_diff == 0.5
 
 
+def test_the_reading_shows_its_progress_and_counts_every_byte_it_compares(tmp_path, monkeypatch):
+    """verify --against's progress: a line off a terminal, and the bytes handed to it (both sides, a block pair at a
+    time) add up to its total; a pair of two shapes is not read, and not counted."""
+    import io
+
+    from rich.console import Console
+
+    from patcher.checkpoint import progress
+
+    ref = _folder(tmp_path / "ref", _base())
+    folder = _folder(tmp_path / "out", _with(b__bias=lambda t: torch.randn(8)))  # b.bias: a shape of its own
+    monkeypatch.setattr(values, "BLOCK_BYTES", 16)
+    monkeypatch.setattr(compare, "MIN_BYTES", 0)
+    seen: dict = {}
+    real = progress.Progress
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.update(total=self.total, done=0)
+
+        def advance(self, n):
+            seen["done"] += n
+            super().advance(n)
+
+    monkeypatch.setattr(compare, "Progress", Counted)
+    console = Console(file=io.StringIO(), force_terminal=False, width=200)
+    report = compare.compare_folders(folder, ref, console=console)
+    assert not report.ok and report.check("shapes").detail.startswith("b.bias")
+    # a.weight (bf16, 6 x 5), c.count (int64, 4), d.flag (bool, 2), each on both sides
+    assert seen == {"total": 2 * (60 + 32 + 2), "done": 2 * (60 + 32 + 2)}
+    assert console.file.getvalue().startswith("dsfix verify: comparing every tensor with the reference: 0 MB of ")
+
+
 @pytest.mark.parametrize("make,words", [
     (lambda tmp: (tmp / "missing", _folder(tmp / "ref", _base())), "the folder: no such folder"),
     (lambda tmp: (_folder(tmp / "out", _base()), tmp / "nothing"), "--against: no such folder"),

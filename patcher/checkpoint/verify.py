@@ -89,7 +89,7 @@ def verify_path(path, expect: Optional[int] = None, load: bool = True, against=N
     if against is not None:
         check_reference(against)
         with quiet():
-            return compare_path(path, against, expect=expect, atol=atol, rtol=rtol)
+            return compare_path(path, against, expect=expect, atol=atol, rtol=rtol, console=console)
     # the NaN and Inf checks read every weight: started first, on a thread, they read while transformers is
     # imported and each folder's config and meta model are built
     with FiniteChecks(folders, console) as started, quiet():
@@ -105,7 +105,8 @@ def check_reference(against) -> None:
             weight_files(folder)
 
 
-def compare_path(path, against, expect: Optional[int] = None, atol: float = 0.0, rtol: float = 0.0) -> VerifyResult:
+def compare_path(path, against, expect: Optional[int] = None, atol: float = 0.0, rtol: float = 0.0,
+                 console: Any = None) -> VerifyResult:
     """``dsfix verify PATH --against REF``: each model folder under ``path`` compared with the same one under
     ``against``; a step-3 folder's actor/critic/actor_ema pair by name."""
     if expect is not None:
@@ -116,6 +117,7 @@ def compare_path(path, against, expect: Optional[int] = None, atol: float = 0.0,
         if names != ref_names:
             raise DsfixError(f"holds {', '.join(names)} but --against holds {', '.join(ref_names)}: "
                              "compare model folders one by one", path=str(path))
-    return VerifyResult(str(path), tuple(compare_folders(p, r, atol=atol, rtol=rtol) for p, r in zip(folders, refs)))
+    return VerifyResult(str(path), tuple(compare_folders(p, r, atol=atol, rtol=rtol, console=console)
+                                         for p, r in zip(folders, refs)))
 
 

@@ -21,9 +21,10 @@ from typing import Any, NamedTuple, Optional
 
 from patcher.checkpoint.check.headers import Check
 from patcher.checkpoint.check.model import expected, folder_kind, load_config
-from patcher.checkpoint.check.values import stored_difference, stored_equal
+from patcher.checkpoint.check.values import stored_bytes, stored_difference, stored_equal
 from patcher.checkpoint.check.verify import VerifyReport
 from patcher.checkpoint.names import examples, shape_text
+from patcher.checkpoint.progress import MIN_BYTES, Progress
 from patcher.checkpoint.readers.bin import BinFolder
 from patcher.checkpoint.readers.safetensors import Header, SafetensorsFolder
 from patcher.errors import DsfixError, refuse_file
@@ -95,9 +96,9 @@ def _open(path, what: str) -> Any:
     return reader, reader.header
 
 
-def compare_folders(path, against, atol: float = 0.0, rtol: float = 0.0) -> CompareReport:
+def compare_folders(path, against, atol: float = 0.0, rtol: float = 0.0, console: Any = None) -> CompareReport:
     """Compare the model folder ``path`` with ``against`` (safetensors, or a ``.bin`` reference). Raises
-    DsfixError (code 2) on bad input."""
+    DsfixError (code 2) on bad input. ``console``: where the reading's progress goes (None: nowhere)."""
     reader, head = _open(path, "the folder")
     try:
         ref_reader, ref_head = _open(against, "--against")
@@ -111,7 +112,10 @@ def compare_folders(path, against, atol: float = 0.0, rtol: float = 0.0) -> Comp
         files = (f"{len(head.entries)} tensors in {examples(head.files)}; {len(ref_head.entries)} in {against}'s "
                  f"{examples(ref_head.files)}")
         checks = [Check("files", True, files), keys]
-        rows = [_row(reader, head, ref_reader, ref_head, name, ref, atol, rtol) for name, ref in pairs]
+        total = sum(stored_bytes(head, n) + stored_bytes(ref_head, r) for n, r in _read_pairs(head, ref_head, pairs))
+        with Progress(console, "dsfix verify", total=total, min_total=MIN_BYTES) as bar:
+            bar.phase("comparing every tensor with the reference")
+            rows = [_row(reader, head, ref_reader, ref_head, name, ref, atol, rtol, bar.advance) for name, ref in pairs]
         for name, what in (("shapes", "shape"), ("dtypes", "dtype"), ("values", "values")):
             bad = [r for r in rows if r.kind == what]
             more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
@@ -161,6 +165,12 @@ def _pairs(head: Header, ref_head: Header, partner: dict) -> tuple[list, Check]:
                                               [n for n in ref_head.entries if n not in head.entries]))
 
 
+def _read_pairs(head: Header, ref_head: Header, pairs: list) -> list:
+    """The pairs whose values are read: one shape and one dtype on both sides."""
+    return [(n, r) for n, r in pairs if tuple(head.entries[n][0]) == tuple(ref_head.entries[r][0])
+            and head.entries[n][1] == ref_head.entries[r][1]]
+
+
 def _counts(here: int, there: int, pairs: list, ref_only: list) -> str:
     """The keys row: each side's count and how many were compared, naming the tied aliases stored on one side
     only (the folder's compared through their partner in the reference; the reference's checked as ties)."""
@@ -176,14 +186,14 @@ def _counts(here: int, there: int, pairs: list, ref_only: list) -> str:
 
 
 def _row(reader: Any, head: Header, ref_reader: Any, ref_head: Header, name: str, ref: str, atol: float,
-         rtol: float) -> Row:
+         rtol: float, advance: Any = None) -> Row:
     (shape, code, _), (ref_shape, ref_code, _) = head.entries[name], ref_head.entries[ref]
     if tuple(shape) != tuple(ref_shape):
         return Row(name, ref, tuple(shape), code, None, "shape",
                    f"{shape_text(shape)} here, {shape_text(ref_shape)} in the reference")
     if code != ref_code:
         return Row(name, ref, tuple(shape), code, None, "dtype", f"{code} here, {ref_code} in the reference")
-    diff, close = stored_difference(reader, name, ref_reader, ref, tuple(shape), atol, rtol)
+    diff, close = stored_difference(reader, name, ref_reader, ref, tuple(shape), atol, rtol, advance)
     problem = "" if close else f"max |diff| {diff:.6g} > atol {atol:g} + rtol {rtol:g} x |reference|"
     return Row(name, ref, tuple(shape), code, diff, "" if close else "values", problem)
 

@@ -65,11 +65,14 @@ def difference(a: Any, b: Any, atol: float, rtol: float) -> tuple[Optional[float
 
 
 def stored_difference(reader: Any, name: str, ref_reader: Any, ref: str, shape: tuple, atol: float = 0.0,
-                      rtol: float = 0.0) -> tuple[Optional[float], bool]:
-    """:func:`difference` of two stored tensors of one shape, a block of rows at a time."""
+                      rtol: float = 0.0, advance: Any = None) -> tuple[Optional[float], bool]:
+    """:func:`difference` of two stored tensors of one shape, a block of rows at a time; ``advance(nbytes)``,
+    when given, hears of each pair of blocks read."""
     worst, close = None, True
     for a, b in zip(blocks(reader, name, shape), blocks(ref_reader, ref, shape)):
         diff, ok = difference(a, b, atol, rtol)
+        if advance is not None:
+            advance(a.numel() * a.element_size() + b.numel() * b.element_size())
         if diff is not None:
             worst = diff if worst is None else max(worst, diff)
         close = close and ok
@@ -89,12 +92,18 @@ def finite_names(head: Header) -> list:
     return [k for k, (shape, code, _) in head.entries.items() if is_float_code(code) and 0 not in shape]
 
 
-def finite_bytes(head: Header) -> int:
-    """How many bytes :func:`finite_check` reads: the progress's total."""
+def stored_bytes(head: Header, name: str) -> int:
+    """A stored tensor's bytes, from its header entry (shape and dtype code); 0 for a dtype torch lacks."""
     import torch
 
-    return sum(math.prod(head.entries[k][0]) * torch.empty((), dtype=getattr(torch, dtype_name(head.entries[k][1])))
-               .element_size() for k in finite_names(head))
+    shape, code, _ = head.entries[name]
+    dtype = getattr(torch, dtype_name(code), None)
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 0
+
+
+def finite_bytes(head: Header) -> int:
+    """How many bytes :func:`finite_check` reads: the progress's total."""
+    return sum(stored_bytes(head, k) for k in finite_names(head))
 
 
 def finite_check(reader: Any, head: Header, stop: Any = None, advance: Any = None) -> Check:
