@@ -120,7 +120,7 @@ def finite_check(reader: Any, head: Header, stop: Any = None, advance: Any = Non
             return Check("finite", False, "stopped before every tensor was read")
         finite = True
         for block in blocks(reader, name, head.entries[name][0]):
-            finite = finite and is_finite(block)  # past a failing block the rest is counted, not read
+            finite = finite and is_finite(block)  # past a failing block the rest is counted, not checked
             if advance is not None:
                 advance(block.numel() * block.element_size())
         if not finite:
