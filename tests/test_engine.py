@@ -21,7 +21,7 @@ import pytest
 
 from patcher.checkpoint.convert import convert
 from patcher.checkpoint.names import STAGING_PREFIX
-from patcher.checkpoint.readers import find, load, open_step, refuse, step_reader, zero3, zero12
+from patcher.checkpoint.readers import find, flat, load, open_step, refuse, step_reader, zero3, zero12
 from patcher.checkpoint.steps import lora
 from patcher.errors import DsfixError
 
@@ -127,6 +127,105 @@ def test_zero3_pieces_rebuild_every_parameter(params, world, split_at):
 def test_maps_refuse_partitions_that_do_not_fit(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# --------------------------------------------------------------------------- reading a rank's flat partitions
+
+
+def _rank_file(tmp_path, sizes, mapped=True):
+    """A ZeRO-3 rank's optimizer file as torch.save lays it out (Adam's moments, then the flat groups), the
+    groups' values with NaN, infinities and -0.0 among them; (path, the groups as loaded: memory-mapped, or
+    read into memory)."""
+    groups = [torch.arange(n, dtype=torch.float32) * (g + 1) for g, n in enumerate(sizes)]
+    for g in groups:
+        g[1::7] = float("nan")
+        g[2::11] = -0.0
+        g[3::13] = float("inf")
+    path = tmp_path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    osd = {"zero_stage": 3, "fp32_flat_groups": groups,
+           "optimizer_state_dict": {"state": {i: {"exp_avg": torch.ones(n), "exp_avg_sq": torch.ones(n)}
+                                              for i, n in enumerate(sizes)}}}
+    torch.save({"optimizer_state_dict": osd}, path)
+    loaded = load.load_deepspeed(path) if mapped else torch.load(path, weights_only=True)
+    return path, loaded["optimizer_state_dict"]["fp32_flat_groups"]
+
+
+def test_mapped_offset_is_where_the_tensor_lies_in_its_file(tmp_path):
+    path, groups = _rank_file(tmp_path, [100, 3000])
+    data = path.read_bytes()
+    for g in groups:
+        at = flat.mapped_offset(g, path)
+        assert data[at:at + g.numel() * 4] == bytes(g.view(torch.uint8).tolist())
+    other = tmp_path / "other.pt"
+    shutil.copy(path, other)
+    assert flat.mapped_offset(groups[0], other) is None  # the same bytes, another file
+    assert flat.mapped_offset(groups[0].clone(), path) is None  # not mapped at all
+    assert flat.mapped_offset(groups[1][::2], path) is None  # not contiguous
+
+
+def _read_pieces(path, groups, pieces):
+    """Each piece rebuilt from its parts, and whether every part came from the given tensors."""
+    out, given = {}, True
+    for p, at, data in flat.pieces_read(path, groups, pieces):
+        g = groups[p.group]
+        low, high = g.data_ptr(), g.data_ptr() + g.numel() * g.element_size()
+        given = given and low <= data.data_ptr() < high
+        out.setdefault(p, torch.full((p.length,), 7.0))[at:at + data.numel()] = data  # copied: the buffer is reused
+    return out, given
+
+
+P = zero12.Piece
+
+
+@pytest.mark.parametrize("sizes,pieces,block,where,from_given", [
+    # one group in order, pieces crossing 64-byte blocks
+    ([100], [P(0, 0, 0, "a", 0, 40), P(0, 0, 40, "b", 0, 60)], 64, "mapped", False),
+    # two groups, pieces out of order, padding left out, a piece of one element
+    ([50, 30], [P(0, 1, 10, "c", 5, 20), P(0, 0, 0, "a", 0, 17), P(0, 0, 49, "b", 0, 1)], 64, "mapped", False),
+    # a block larger than every group
+    ([50, 30], [P(0, 0, 3, "a", 0, 40), P(0, 1, 0, "b", 0, 30)], 16 << 20, "mapped", False),
+    # the groups read into memory, not mapped: cut from them
+    ([100], [P(0, 0, 0, "a", 0, 100)], 64, "in memory", True),
+    # the offset found is not the group's (4 bytes off): cut from the mapped tensors
+    ([100], [P(0, 0, 0, "a", 0, 100)], 64, "shifted", True),
+])
+def test_flat_pieces_are_the_tensors_bit_for_bit(tmp_path, monkeypatch, sizes, pieces, block, where, from_given):
+    monkeypatch.setattr(flat, "BLOCK", block)
+    path, groups = _rank_file(tmp_path, sizes, mapped=where != "in memory")
+    if where == "shifted":
+        found = flat.mapped_offset
+        monkeypatch.setattr(flat, "mapped_offset", lambda t, p: found(t, p) + 4)
+    out, given = _read_pieces(path, groups, pieces)
+    assert given is from_given
+    for p in pieces:
+        want = groups[p.group].narrow(0, p.src, p.length)
+        assert torch.equal(out[p].view(torch.int32), want.view(torch.int32)), p
+
+
+def test_flat_reading_stops_its_thread_and_says_a_short_or_failing_file_in_one_line(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(flat, "BLOCK", 4096)
+    path, groups = _rank_file(tmp_path, [8192])
+    whole = [P(0, 0, 0, "a", 0, 8192)]
+    parts = flat.pieces_read(path, groups, whole)
+    next(parts)
+    parts.close()  # the caller stops after the first part (its put raised): the thread ends too
+    assert not [t for t in threading.enumerate() if t.name == "dsfix-read-ahead"]
+    with open(path, "r+b") as f:  # the file cut in the middle of the group after it was opened
+        f.truncate(flat.mapped_offset(groups[0], path) + 16384)
+    with pytest.raises(DsfixError) as info:
+        list(flat.pieces_read(path, groups, whole))
+    assert "truncated" in str(info.value) and path.name in str(info.value) and "\n" not in str(info.value)
+    assert not [t for t in threading.enumerate() if t.name == "dsfix-read-ahead"]
+
+    def failing(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing)  # the disk fails under the thread's reads
+    with pytest.raises(DsfixError, match=r"cannot be read: Input/output error; nothing written") as info:
+        list(flat.pieces_read(path, groups, [P(0, 0, 0, "a", 0, 1000)]))
+    assert info.value.code == 2 and path.name in str(info.value)
 
 
 # --------------------------------------------------------------------------- loading without running code
@@ -448,10 +547,10 @@ def test_fuser_fuses_what_it_was_handed_and_refuses_what_it_lacks(tmp_path, drop
                        lambda n, dst, data: out.setdefault(n, []).append((dst, data.clone())), tmp_path / "scratch")
     pieces = [("l.lora_left_weight", left.reshape(-1), 7), ("n.weight", torch.ones(6), 6),
               ("l.weight", weight.reshape(-1), 10), ("l.lora_right_weight", right.reshape(-1), 3)]
-    for name, flat, cut in pieces:
+    for name, values, cut in pieces:
         if name != drop:
-            fuser.put(name, cut, flat[cut:])
-            fuser.put(name, 0, flat[:cut])
+            fuser.put(name, cut, values[cut:])
+            fuser.put(name, 0, values[:cut])
     try:
         if drop:
             with pytest.raises(DsfixError, match=f"does not hold every element of the LoRA layers: {drop}"):

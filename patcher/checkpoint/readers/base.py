@@ -19,7 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Optional, TypeVar
 
-Put = Callable[[str, int, Any], None]  # put(tensor name, its first element here, flat data)
+# put(tensor name, its first element here, flat data): the data is the caller's again once put returns (a
+# buffer read into again), so put writes or copies it, never keeps it
+Put = Callable[[str, int, Any], None]
 R = TypeVar("R", bound="Reader")
 
 

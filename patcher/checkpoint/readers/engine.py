@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import closing
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import patcher.checkpoint.readers.refuse as refuse
 from patcher.checkpoint.readers.base import Held, Put, Reader, numel
+from patcher.checkpoint.readers.flat import pieces_read
 from patcher.checkpoint.readers.load import load_deepspeed
 from patcher.errors import DsfixError
 
@@ -226,8 +228,9 @@ class EngineReader(Reader):
             elif sizes != sizes0:
                 raise DsfixError(f"its flat partitions hold {sizes} elements, rank 0's {sizes0}: files of two saves?",
                                  path=str(path))
-            for p in (p for p in pieces if p.rank == rank):
-                put(p.name, p.dst, flat[p.group].narrow(0, p.src, p.length))
+            with closing(pieces_read(path, flat, [p for p in pieces if p.rank == rank])) as parts:
+                for p, at, data in parts:
+                    put(p.name, p.dst + at, data)
             del osd, flat
             self.stream_frozen(rank, put)
 
