@@ -296,8 +296,13 @@ def merged(paths):
             if old is None:
                 saved["cases"].append(case)
                 continue
-            if case["results"].get("floor") is not None:  # the earlier floor stays the earlier methods' measure
+            if case["results"].get("zero_to_fp32") is not None:  # measured again with its own floor
+                old["results"].pop("floor_before", None)
+                old.pop("bit_equal", None)
+            elif case["results"].get("floor") is not None:  # the earlier floor stays the earlier methods' measure
                 old["results"].setdefault("floor_before", old["results"]["floor"])
+            if case.get("bit_equal") is not None:
+                old["bit_equal"] = case["bit_equal"]
             remeasured = {m for m, r in case["results"].items() if r is not None}
             old["results"].update((m, case["results"][m]) for m in remeasured)
             old["earlier"] = sorted(m for m, r in old["results"].items()

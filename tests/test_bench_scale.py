@@ -91,3 +91,30 @@ def test_verify_against_a_step3_folder_and_a_peft_merge_pass_in_bounded_memory(s
     assert found["folder_bytes"] < results["read_merged"]["read_bytes"] < found["folder_bytes"] + 2**20
     assert "| narrow, dsfix verify A --against B (two folders) |" in text
     assert "narrow, dsfix convert --merge, a LoRA adapter into its base: anon" in text
+
+
+@pytest.mark.parametrize("later_z2f,floor_for_z2f,bit_equal_from", [
+    (False, 10.0, "first"),  # the later run did not run zero_to_fp32: its ratio stays against the first floor
+    (True, 5.0, "later"),  # it did: its figures, its floor and its comparison replace the first run's
+])
+def test_merged_runs_keep_each_ratio_within_one_run(tmp_path, later_z2f, floor_for_z2f, bit_equal_from):
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import bench_scale
+
+    def run(name, floor, z2f=None, bit=None):
+        case = {"stage": 3, "world": 8, "size": "0.6B", "results": {
+            "floor": {"floor_s": floor}, "convert": {"wall_s": 2 * floor}, "zero_to_fp32": z2f}}
+        if bit is not None:
+            case["bit_equal"] = bit
+        path = tmp_path / (name + ".json")
+        path.write_text(json.dumps({"command": name, "machine": {}, "cases": [case]}))
+        return str(path)
+
+    first = run("first", 10.0, {"wall_s": 30.0}, {"ok": True, "from": "first"})
+    later = run("later", 5.0, *(({"wall_s": 20.0}, {"ok": True, "from": "later"}) if later_z2f else ()))
+    case = bench_scale.merged([first, later])["cases"][0]
+    results = case["results"]
+    assert results["floor"]["floor_s"] == 5.0 and results["convert"]["wall_s"] == 10.0
+    assert results.get("floor_before", results["floor"])["floor_s"] == floor_for_z2f
+    assert results["zero_to_fp32"]["wall_s"] == (20.0 if later_z2f else 30.0)
+    assert case["bit_equal"]["from"] == bit_equal_from
