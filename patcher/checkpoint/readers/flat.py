@@ -10,8 +10,9 @@ through the map, with a quarter of the CPU time in user space).
 Where a group lies in the file is where its mapped tensor's memory comes from, as the kernel lists the
 process's mappings (Linux). Before a block is handed on, each group's first bytes read so are compared with
 the mapped tensor's; where the kernel does not say (another system), or the bytes differ, the pieces are cut
-from the mapped tensors as before. A block is handed on as a tensor over a buffer that is read into again two blocks
-later: whoever is handed one uses or copies it before asking for the next (:data:`..base.Put`).
+from the mapped tensors as before. A part is handed on as a tensor over a buffer that the thread may read
+into again once the next block is asked for: whoever is handed one writes or copies it before it returns
+(:data:`patcher.checkpoint.readers.base.Put`).
 """
 
 from __future__ import annotations
