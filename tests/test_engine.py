@@ -150,6 +150,11 @@ def _rank_file(tmp_path, sizes, mapped=True):
     return path, loaded["optimizer_state_dict"]["fp32_flat_groups"]
 
 
+needs_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
+                                reason="the kernel's list of mappings is Linux's")
+
+
+@needs_maps
 def test_mapped_offset_is_where_the_tensor_lies_in_its_file(tmp_path):
     path, groups = _rank_file(tmp_path, [100, 3000])
     data = path.read_bytes()
@@ -184,11 +189,14 @@ P = zero12.Piece
     ([50, 30], [P(0, 1, 10, "c", 5, 20), P(0, 0, 0, "a", 0, 17), P(0, 0, 49, "b", 0, 1)], 64, "mapped", False),
     # a block larger than every group
     ([50, 30], [P(0, 0, 3, "a", 0, 40), P(0, 1, 0, "b", 0, 30)], 16 << 20, "mapped", False),
+    # an empty group before the one read
+    ([0, 50], [P(0, 1, 0, "a", 0, 50)], 64, "mapped", False),
     # the groups read into memory, not mapped: cut from them
     ([100], [P(0, 0, 0, "a", 0, 100)], 64, "in memory", True),
     # the offset found is not the group's (4 bytes off): cut from the mapped tensors
     ([100], [P(0, 0, 0, "a", 0, 100)], 64, "shifted", True),
 ])
+@needs_maps
 def test_flat_pieces_are_the_tensors_bit_for_bit(tmp_path, monkeypatch, sizes, pieces, block, where, from_given):
     monkeypatch.setattr(flat, "BLOCK", block)
     path, groups = _rank_file(tmp_path, sizes, mapped=where != "in memory")
@@ -202,6 +210,7 @@ def test_flat_pieces_are_the_tensors_bit_for_bit(tmp_path, monkeypatch, sizes, p
         assert torch.equal(out[p].view(torch.int32), want.view(torch.int32)), p
 
 
+@needs_maps
 def test_flat_reading_stops_its_thread_and_says_a_short_or_failing_file_in_one_line(tmp_path, monkeypatch):
     import threading
 
@@ -211,6 +220,10 @@ def test_flat_reading_stops_its_thread_and_says_a_short_or_failing_file_in_one_l
     parts = flat.pieces_read(path, groups, whole)
     next(parts)
     parts.close()  # the caller stops after the first part (its put raised): the thread ends too
+    assert not [t for t in threading.enumerate() if t.name == "dsfix-read-ahead"]
+    overlapping = [P(0, 0, 0, "a", 0, 2000), P(0, 0, 10, "b", 0, 10)]  # no layout makes these: refused, not misread
+    with pytest.raises(DsfixError, match="b: its pieces overlap"):
+        list(flat.pieces_read(path, groups, overlapping))
     assert not [t for t in threading.enumerate() if t.name == "dsfix-read-ahead"]
     with open(path, "r+b") as f:  # the file cut in the middle of the group after it was opened
         f.truncate(flat.mapped_offset(groups[0], path) + 16384)
@@ -222,10 +235,11 @@ def test_flat_reading_stops_its_thread_and_says_a_short_or_failing_file_in_one_l
     def failing(*args):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(os, "preadv", failing)  # the disk fails under the thread's reads
-    with pytest.raises(DsfixError, match=r"cannot be read: Input/output error; nothing written") as info:
-        list(flat.pieces_read(path, groups, [P(0, 0, 0, "a", 0, 1000)]))
-    assert info.value.code == 2 and path.name in str(info.value)
+    for call in ("preadv", "pread"):  # the disk fails under the thread's reads, then under the first check
+        monkeypatch.setattr(os, call, failing)
+        with pytest.raises(DsfixError, match=r"cannot be read: Input/output error; nothing written") as info:
+            list(flat.pieces_read(path, groups, [P(0, 0, 0, "a", 0, 1000)]))
+        assert info.value.code == 2 and path.name in str(info.value)
 
 
 # --------------------------------------------------------------------------- loading without running code

@@ -8,9 +8,9 @@ come (on the benchmark's 2-core machine, 8 GB of masters cast to bf16 and writte
 through the map, with a quarter of the CPU time in user space).
 
 Where a group lies in the file is where its mapped tensor's memory comes from, as the kernel lists the
-process's mappings (Linux). Before a block is handed on, each group's first bytes read so are compared with
-the mapped tensor's; where the kernel does not say (another system), or the bytes differ, the pieces are cut
-from the mapped tensors as before. A part is handed on as a tensor over a buffer that the thread may read
+process's mappings (Linux). Before the thread starts, each group's first 4 KiB read from there are compared
+with the mapped tensor's; where the kernel does not say (another system), or the bytes differ, the pieces
+are cut from the mapped tensors as before. A part is handed on as a tensor over a buffer that the thread may read
 into again once the next block is asked for: whoever is handed one writes or copies it before it returns
 (:data:`patcher.checkpoint.readers.base.Put`).
 """
@@ -33,7 +33,7 @@ def pieces_read(path: Path, groups: list, pieces: list) -> Generator[tuple, None
     """(piece, its element ``at``, data): ``pieces`` (``zero12.Piece``) of the rank file ``path``'s flat
     ``groups`` (1-D tensors memory-mapped from it), each in one or more parts, ``data`` holding the piece's
     elements from ``at`` on. Close the iterator (or run it out) to stop its thread."""
-    starts = [mapped_offset(g, path) for g in groups]
+    starts = [mapped_offset(g, path) if g.numel() else 0 for g in groups]  # an empty group is never read
     if None in starts or not hasattr(os, "preadv") or not _same_bytes(path, groups, starts):
         for p in pieces:
             yield p, 0, groups[p.group].narrow(0, p.src, p.length)
@@ -49,6 +49,9 @@ def pieces_read(path: Path, groups: list, pieces: list) -> Generator[tuple, None
                 here = p.src + at
                 while block is None or block.group < p.group or block.first + block.data.numel() <= here:
                     block = reader.next()
+                if block.group != p.group or here < block.first:  # the layouts' pieces never overlap
+                    raise DsfixError(f"{p.name}: its pieces overlap or lie past its flat partitions; nothing "
+                                     "written", path=str(path))
                 take = min(p.length - at, block.first + block.data.numel() - here)
                 yield p, at, block.data.narrow(0, here - block.first, take)
                 at += take
@@ -64,7 +67,8 @@ class _Block:
 def mapped_offset(tensor: Any, path: Path) -> Optional[int]:
     """Where a contiguous tensor memory-mapped from ``path`` begins in it, from the kernel's own list of the
     process's mappings (``/proc/self/maps``: each mapping's addresses, file offset, device and inode); None where
-    there is no such list (not Linux) or the tensor is not mapped from that file."""
+    there is no such list (not Linux) or the tensor is not mapped from that file. The inode decides, not the
+    device: on btrfs ``stat`` gives a subvolume's device and the list the filesystem's."""
     if not tensor.is_contiguous() or not tensor.numel():
         return None
     try:
@@ -79,9 +83,8 @@ def mapped_offset(tensor: Any, path: Path) -> Optional[int]:
         if len(fields) < 5 or "-" not in fields[0]:
             continue
         low, high = (int(x, 16) for x in fields[0].split("-"))
-        major, minor = (int(x, 16) for x in fields[3].split(":"))
-        if low <= address < high and int(fields[4]) == info.st_ino and os.makedev(major, minor) == info.st_dev:
-            return int(fields[2], 16) + address - low
+        if low <= address < high:
+            return int(fields[2], 16) + address - low if int(fields[4]) == info.st_ino else None
     return None
 
 
@@ -91,15 +94,18 @@ def _same_bytes(path: Path, groups: list, starts: list) -> bool:
 
     if len(starts) != len(groups):
         return False
-    with open(path, "rb", buffering=0) as f:
-        for g, start in zip(groups, starts):
-            size = min(CHECK_BYTES, g.numel() * g.element_size())
-            if size == 0:
-                continue
-            head = bytearray(os.pread(f.fileno(), size, start))
-            mapped = g.narrow(0, 0, size // g.element_size()).contiguous().view(torch.uint8)
-            if len(head) != size or not torch.equal(torch.frombuffer(head, dtype=torch.uint8), mapped):
-                return False
+    try:
+        with open(path, "rb", buffering=0) as f:
+            for g, start in zip(groups, starts):
+                size = min(CHECK_BYTES, g.numel() * g.element_size())
+                if size == 0:
+                    continue
+                head = bytearray(os.pread(f.fileno(), size, start))
+                mapped = g.narrow(0, 0, size // g.element_size()).contiguous().view(torch.uint8)
+                if len(head) != size or not torch.equal(torch.frombuffer(head, dtype=torch.uint8), mapped):
+                    return False
+    except OSError as e:
+        raise _unreadable(path, e) from e
     return True
 
 
@@ -150,9 +156,13 @@ class _Ahead:
                         done += size
             self.ready.put(None)
         except OSError as e:  # EIO from a failing disk: the file named, as every error of a convert is
-            self.ready.put(DsfixError(f"cannot be read: {e.strerror or e}; nothing written", path=str(self.path)))
+            self.ready.put(_unreadable(self.path, e))
         except BaseException as e:  # handed to the reader's caller, where it is raised
             self.ready.put(e)
+
+
+def _unreadable(path: Path, e: OSError) -> DsfixError:
+    return DsfixError(f"cannot be read: {e.strerror or e}; nothing written", path=str(path))
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
