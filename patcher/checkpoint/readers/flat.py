@@ -10,9 +10,9 @@ through the map, with a quarter of the CPU time in user space).
 Where a group lies in the file is where its mapped tensor's memory comes from, as the kernel lists the
 process's mappings (Linux). Before the thread starts, each group's first 4 KiB read from there are compared
 with the mapped tensor's; where the kernel does not say (another system), or the bytes differ, the pieces
-are cut from the mapped tensors as before. A part is handed on as a tensor over a buffer that the thread may read
-into again once the next block is asked for: whoever is handed one writes or copies it before it returns
-(:data:`patcher.checkpoint.readers.base.Put`).
+are cut from the mapped tensors as before. A part is handed on as a tensor over a buffer that the thread may
+read into again once the next block is asked for: whoever is handed one writes or copies it before it
+returns (:data:`patcher.checkpoint.readers.base.Put`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Generator, Optional
+from typing import Any, Generator, NamedTuple, Optional
 
 from patcher.errors import DsfixError
 
@@ -33,12 +33,12 @@ def pieces_read(path: Path, groups: list, pieces: list) -> Generator[tuple, None
     """(piece, its element ``at``, data): ``pieces`` (``zero12.Piece``) of the rank file ``path``'s flat
     ``groups`` (1-D tensors memory-mapped from it), each in one or more parts, ``data`` holding the piece's
     elements from ``at`` on. Close the iterator (or run it out) to stop its thread."""
+    if not pieces:
+        return
     starts = [mapped_offset(g, path) if g.numel() else 0 for g in groups]  # an empty group is never read
-    if None in starts or not hasattr(os, "preadv") or not _same_bytes(path, groups, starts):
+    if not hasattr(os, "preadv") or None in starts or not _same_bytes(path, groups, starts):
         for p in pieces:
             yield p, 0, groups[p.group].narrow(0, p.src, p.length)
-        return
-    if not pieces:
         return
     reader = _Ahead(path, groups, starts)
     try:
@@ -59,9 +59,12 @@ def pieces_read(path: Path, groups: list, pieces: list) -> Generator[tuple, None
         reader.stop()
 
 
-class _Block:
-    def __init__(self, group: int, first: int, data: Any) -> None:
-        self.group, self.first, self.data = group, first, data  # elements first.. of group, in a buffer
+class _Block(NamedTuple):
+    """Elements ``first`` on of flat group ``group``, in one of the thread's buffers."""
+
+    group: int
+    first: int
+    data: Any
 
 
 def mapped_offset(tensor: Any, path: Path) -> Optional[int]:
@@ -92,8 +95,6 @@ def _same_bytes(path: Path, groups: list, starts: list) -> bool:
     """Whether the first bytes at each of ``starts`` are the mapped group's own."""
     import torch
 
-    if len(starts) != len(groups):
-        return False
     try:
         with open(path, "rb", buffering=0) as f:
             for g, start in zip(groups, starts):
