@@ -236,6 +236,45 @@ def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
     assert p.returncode == ERROR and json.loads(p.stdout)["verb"] == "check" and b"Traceback" in p.stderr
 
 
+# The program ends without the interpreter's teardown (patcher.command.exit_now); what an exit must do still
+# happens. One process, run() as the dsfix program calls it: an exit handler, output left unflushed, and a
+# thread that is no daemon and outlives the verb, or a profiler that writes its figures after the exit.
+_EXIT_NOW = r"""
+import atexit, sys, threading, time
+import typer
+from patcher.command import run
+out = sys.argv[1]
+atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+app = typer.Typer()
+
+@app.command()
+def verb(late: bool = False):
+    sys.stdout.write("unflushed")
+    if late:  # a thread still writing when the verb is done: the exit waits for it
+        threading.Thread(target=lambda: (time.sleep(0.5), open(out + ".thread", "w").write("done"))).start()
+    raise typer.Exit(4)
+
+sys.argv[1:] = sys.argv[2:]
+run(app)
+"""
+
+
+@pytest.mark.parametrize("how", ["plain", "late thread", "profiled"])
+def test_the_program_exits_with_its_handlers_run_and_its_output_flushed(tmp_path, how):
+    out = tmp_path / "mark"
+    script = tmp_path / "program.py"
+    script.write_text(_EXIT_NOW)
+    python = [sys.executable] + (["-m", "cProfile", "-o", str(tmp_path / "figures")] if how == "profiled" else [])
+    env = dict(CLEAN_ENV, PYTHONPATH=str(REPO))
+    p = subprocess.run(python + [str(script), str(out)] + (["--late"] if how == "late thread" else []),
+                       capture_output=True, cwd=REPO, env=env, timeout=60)
+    assert p.returncode == (0 if how == "profiled" else 4), p.stderr  # cProfile ends 0 whatever the program's
+    assert p.stdout == b"unflushed"
+    assert (tmp_path / "mark.atexit").read_text() == "ran"
+    assert (tmp_path / "mark.thread").exists() == (how == "late thread")
+    assert (tmp_path / "figures").exists() == (how == "profiled")
+
+
 @pytest.mark.parametrize("script,args,hidden,needle", [
     ("bench_zero3.py", ["--quick"], "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
     ("bench_engine.py", [], "deepspeed", "DS_BUILD_OPS=0 pip install deepspeed"),
