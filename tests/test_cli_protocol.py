@@ -238,9 +238,10 @@ def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
 
 # The program ends without the interpreter's teardown (patcher.command.exit_now); what an exit must do still
 # happens. One process, run() as the dsfix program calls it: an exit handler, output left unflushed, and a
-# thread that is no daemon and outlives the verb, or a profiler that writes its figures after the exit.
+# thread that is no daemon and outlives the verb, or a profiler that writes its figures after the exit. The
+# program also asks torch for huge pages, unless its user said otherwise.
 _EXIT_NOW = r"""
-import atexit, sys, threading, time
+import atexit, os, sys, threading, time
 import typer
 from patcher.command import run
 out = sys.argv[1]
@@ -249,7 +250,7 @@ app = typer.Typer()
 
 @app.command()
 def verb(late: bool = False):
-    sys.stdout.write("unflushed")
+    sys.stdout.write("unflushed, THP_MEM_ALLOC_ENABLE=" + os.environ.get("THP_MEM_ALLOC_ENABLE", ""))
     if late:  # a thread still writing when the verb is done: the exit waits for it
         threading.Thread(target=lambda: (time.sleep(0.5), open(out + ".thread", "w").write("done"))).start()
     raise typer.Exit(4)
@@ -259,17 +260,18 @@ run(app)
 """
 
 
-@pytest.mark.parametrize("how", ["plain", "late thread", "profiled"])
-def test_the_program_exits_with_its_handlers_run_and_its_output_flushed(tmp_path, how):
+@pytest.mark.parametrize("how", ["plain", "late thread", "profiled", "huge pages off"])
+def test_the_program_process_its_huge_pages_and_its_exit(tmp_path, how):
     out = tmp_path / "mark"
     script = tmp_path / "program.py"
     script.write_text(_EXIT_NOW)
     python = [sys.executable] + (["-m", "cProfile", "-o", str(tmp_path / "figures")] if how == "profiled" else [])
-    env = dict(CLEAN_ENV, PYTHONPATH=str(REPO))
+    env = {k: v for k, v in CLEAN_ENV.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env.update(PYTHONPATH=str(REPO), **({"THP_MEM_ALLOC_ENABLE": "0"} if how == "huge pages off" else {}))
     p = subprocess.run(python + [str(script), str(out)] + (["--late"] if how == "late thread" else []),
                        capture_output=True, cwd=REPO, env=env, timeout=60)
     assert p.returncode == (0 if how == "profiled" else 4), p.stderr  # cProfile ends 0 whatever the program's
-    assert p.stdout == b"unflushed"
+    assert p.stdout == b"unflushed, THP_MEM_ALLOC_ENABLE=" + (b"0" if how == "huge pages off" else b"1")
     assert (tmp_path / "mark.atexit").read_text() == "ran"
     assert (tmp_path / "mark.thread").exists() == (how == "late thread")
     assert (tmp_path / "figures").exists() == (how == "profiled")
