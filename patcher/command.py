@@ -177,8 +177,9 @@ def exit_now(rc: int) -> None:
     """End the program with ``rc`` once its outcome is printed, without the interpreter's teardown: freeing the
     modules of torch and transformers one by one takes 0.4-0.8 s and changes nothing on disk. What an exit
     must still do is done: the exit handlers (``atexit``) run, stdout and stderr are flushed. The ordinary exit
-    where a thread that is not a daemon still runs (it waits for the thread), and under a profiler, a debugger
-    or coverage (``python -m cProfile`` writes its figures once the program's exit has unwound)."""
+    where a thread that is not a daemon still runs (it waits for the thread), under a profiler, a debugger or
+    coverage (``python -m cProfile`` writes its figures once the program's exit has unwound), and where a stream
+    cannot be flushed (a full disk, a closed pipe: Python says so and exits 120, the output being incomplete)."""
     import atexit
     import threading
 
@@ -186,9 +187,11 @@ def exit_now(rc: int) -> None:
     if _watched() or any(t.is_alive() and not t.daemon for t in others):
         sys.exit(rc)
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a reader that went away (a closed pipe) changes no outcome
-            stream.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        sys.exit(rc)
     os._exit(rc)
 
 

@@ -237,20 +237,22 @@ def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
 
 
 # The program ends without the interpreter's teardown (patcher.command.exit_now); what an exit must do still
-# happens. One process, run() as the dsfix program calls it: an exit handler, output left unflushed, and a
-# thread that is no daemon and outlives the verb, or a profiler that writes its figures after the exit. The
-# program also asks torch for huge pages, unless its user said otherwise.
+# happens. One process, run() as the dsfix program calls it: an exit handler that writes, output left in the
+# buffer (PYTHONUNBUFFERED unset), and a thread that is no daemon and outlives the verb, a profiler that writes
+# its figures after the exit, or a stdout that takes nothing (/dev/full: the same end as the ordinary exit's).
+# The program also asks torch for huge pages, unless its user said otherwise.
 _EXIT_NOW = r"""
 import atexit, os, sys, threading, time
 import typer
 from patcher.command import run
 out = sys.argv[1]
-atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+atexit.register(lambda: (open(out + ".atexit", "w").write("ran"), sys.stdout.write(", bye")))
 app = typer.Typer()
 
 @app.command()
-def verb(late: bool = False):
-    sys.stdout.write("unflushed, THP_MEM_ALLOC_ENABLE=" + os.environ.get("THP_MEM_ALLOC_ENABLE", ""))
+def verb(late: bool = False, silent: bool = False):
+    if not silent:
+        sys.stdout.write("unflushed, THP_MEM_ALLOC_ENABLE=" + os.environ.get("THP_MEM_ALLOC_ENABLE", ""))
     if late:  # a thread still writing when the verb is done: the exit waits for it
         threading.Thread(target=lambda: (time.sleep(0.5), open(out + ".thread", "w").write("done"))).start()
     raise typer.Exit(4)
@@ -260,18 +262,28 @@ run(app)
 """
 
 
-@pytest.mark.parametrize("how", ["plain", "late thread", "profiled", "huge pages off"])
+@pytest.mark.parametrize("how", ["plain", "late thread", "profiled", "huge pages off", "stdout full"])
 def test_the_program_process_its_huge_pages_and_its_exit(tmp_path, how):
     out = tmp_path / "mark"
     script = tmp_path / "program.py"
     script.write_text(_EXIT_NOW)
     python = [sys.executable] + (["-m", "cProfile", "-o", str(tmp_path / "figures")] if how == "profiled" else [])
-    env = {k: v for k, v in CLEAN_ENV.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env = {k: v for k, v in CLEAN_ENV.items() if k not in ("THP_MEM_ALLOC_ENABLE", "PYTHONUNBUFFERED")}
     env.update(PYTHONPATH=str(REPO), **({"THP_MEM_ALLOC_ENABLE": "0"} if how == "huge pages off" else {}))
-    p = subprocess.run(python + [str(script), str(out)] + (["--late"] if how == "late thread" else []),
-                       capture_output=True, cwd=REPO, env=env, timeout=60)
+    args = python + [str(script), str(out)] + {"late thread": ["--late"], "stdout full": ["--silent"]}.get(how, [])
+    if how == "stdout full":  # output that cannot be written ends as the ordinary exit (forced by a late thread) ends
+        if not Path("/dev/full").exists():
+            pytest.skip("no /dev/full here")
+        ends = []
+        for extra in ([], ["--late"]):
+            with open("/dev/full", "wb") as full:
+                p = subprocess.run(args + extra, stdout=full, stderr=subprocess.PIPE, cwd=REPO, env=env, timeout=60)
+            ends.append((p.returncode, b"No space left on device" in p.stderr))
+        assert ends[0] == ends[1] == (120, True), ends  # 120: Python's exit status when it cannot flush stdout
+        return
+    p = subprocess.run(args, capture_output=True, cwd=REPO, env=env, timeout=60)
     assert p.returncode == (0 if how == "profiled" else 4), p.stderr  # cProfile ends 0 whatever the program's
-    assert p.stdout == b"unflushed, THP_MEM_ALLOC_ENABLE=" + (b"0" if how == "huge pages off" else b"1")
+    assert p.stdout == b"unflushed, THP_MEM_ALLOC_ENABLE=" + (b"0" if how == "huge pages off" else b"1") + b", bye"
     assert (tmp_path / "mark.atexit").read_text() == "ran"
     assert (tmp_path / "mark.thread").exists() == (how == "late thread")
     assert (tmp_path / "figures").exists() == (how == "profiled")
