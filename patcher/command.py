@@ -138,8 +138,8 @@ def run(app: Any, argv: Optional[list] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if argv is None:  # the dsfix program itself, not a caller in the same process
         # torch's CPU allocator backs its buffers of 2 MiB and more with transparent huge pages when asked (Linux;
-        # read at torch's first such buffer): a merge's fp32 deltas and a convert's casts are then faulted in 2 MiB
-        # at a time, not 4 KiB (PyTorch's CPU tuning guide names the setting). A user's own setting wins.
+        # read at torch's first such buffer): a PEFT merge's fp32 deltas and base weight copies are then faulted in
+        # 2 MiB at a time, not 4 KiB (PyTorch's CPU tuning guide names the setting). A user's own setting wins.
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     end = args.index("--") if "--" in args else len(args)
     debug, as_json = "--debug" in args[:end], "--json" in args[:end]
