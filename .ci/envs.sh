@@ -62,10 +62,13 @@ case "$which_env" in
     # DeepSpeed's ZeRO-3 needs; on GPUs it runs on NCCL. The patched save and reload on ZeRO-0: smoke's exit
     # codes (apply, then smoke, through the command line). The demo is that same cycle on the full Qwen3-0.6B
     # config (a minute here): it runs in the newest environment, which is what the README's first command
-    # installs, and in the main one's extended tier.
+    # installs, and in the main one's extended tier. The program's own exit, on this Python (3.9's exit
+    # handlers raise again what one raised; 3.10 on only print it).
     tests=(tests/test_versions.py tests/test_save_module.py
            tests/test_save_module_ranks.py::test_zero0_save_and_fallback
            tests/test_smoke.py tests/test_verify.py tests/test_cli_model.py::test_smoke_exit_codes
+           tests/test_cli_protocol.py::test_the_program_ends_as_the_ordinary_exit_where_the_exit_goes_wrong
+           tests/test_cli_protocol.py::test_the_program_process_its_huge_pages_and_its_exit
            --deselect tests/test_smoke.py::test_passes_under_zero3_with_two_ranks
            --deselect tests/test_smoke.py::test_fails_on_the_article_save_under_zero3
            --deselect tests/test_verify.py::test_fails_on_zero3_placeholders)

@@ -317,5 +317,12 @@ def demo(
 
 
 def main(argv=None) -> None:
-    """Console entry point: every outcome is one exit code, every error one line (docs/cli.md)."""
+    """The command line, for a caller in its own process: every outcome is one exit code (``SystemExit``), every
+    error one line (docs/cli.md)."""
     run(app, argv)
+
+
+def program() -> None:
+    """The dsfix program itself (its console script, ``python -m patcher``): :func:`main`, in a process of its
+    own (docs/cli.md, "The process")."""
+    run(app, program=True)

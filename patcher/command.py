@@ -133,10 +133,12 @@ def _on_sigint(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run(app: Any, argv: Optional[list] = None) -> None:
-    """The program: every outcome is one exit code, every error one line (docs/cli.md)."""
+def run(app: Any, argv: Optional[list] = None, program: bool = False) -> None:
+    """The program: every outcome is one exit code, every error one line (docs/cli.md). ``program``: this is the
+    dsfix program's own process (its console script, ``python -m patcher``), not a caller's that imports it:
+    its settings are dsfix's to make (docs/cli.md, "The process")."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if argv is None:  # the dsfix program itself, not a caller in the same process
+    if program:
         # torch's CPU allocator backs its buffers of 2 MiB and more with transparent huge pages when asked (Linux;
         # read at torch's first such buffer): a PEFT merge's fp32 deltas and base weight copies are then faulted in
         # 2 MiB at a time, not 4 KiB (PyTorch's CPU tuning guide names the setting). A user's own setting wins.
@@ -168,7 +170,7 @@ def run(app: Any, argv: Optional[list] = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)
-    if argv is None:  # the dsfix program itself, not a caller in the same process
+    if program:
         exit_now(rc)
     sys.exit(rc)
 
@@ -186,10 +188,12 @@ def exit_now(rc: int) -> None:
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if _watched() or any(t.is_alive() and not t.daemon for t in others):
         sys.exit(rc)
-    atexit._run_exitfuncs()
+    with contextlib.suppress(BaseException):  # Python 3.9 raises again what a handler raised, after printing it;
+        atexit._run_exitfuncs()  # the ordinary exit, like 3.10 on, only prints it and keeps the exit code
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None where the descriptor was closed before Python started
+                stream.flush()
     except (OSError, ValueError):
         sys.exit(rc)
     os._exit(rc)

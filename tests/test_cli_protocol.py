@@ -4,6 +4,7 @@ path (JSON too), --debug anywhere, check --stat/--quiet, revert outside a checko
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -238,55 +239,84 @@ def test_json_on_stdout_for_every_error_in_a_real_process(tmp_path):
 
 # The program ends without the interpreter's teardown (patcher.command.exit_now); what an exit must do still
 # happens. One process, run() as the dsfix program calls it: an exit handler that writes, output left in the
-# buffer (PYTHONUNBUFFERED unset), and a thread that is no daemon and outlives the verb, a profiler that writes
-# its figures after the exit, or a stdout that takes nothing (/dev/full: the same end as the ordinary exit's).
-# The program also asks torch for huge pages, unless its user said otherwise.
-_EXIT_NOW = r"""
+# buffer (PYTHONUNBUFFERED unset), an object whose finalizer shows whether the teardown ran, and a thread that
+# is no daemon and outlives the verb, or a profiler that writes its figures after the exit. The program also
+# asks torch for huge pages, unless its user said otherwise.
+_PROGRAM = r"""
 import atexit, os, sys, threading, time
 import typer
 from patcher.command import run
 out = sys.argv[1]
 atexit.register(lambda: (open(out + ".atexit", "w").write("ran"), sys.stdout.write(", bye")))
+
+
+class Torn:  # freed by the interpreter's teardown, when there is one
+    def __del__(self, open=open):
+        open(out + ".torn", "wb").write(b"torn down")
+
+
+torn = Torn()
 app = typer.Typer()
 
 @app.command()
-def verb(late: bool = False, silent: bool = False):
+def verb(late: bool = False, silent: bool = False, fail: bool = False):
     if not silent:
         sys.stdout.write("unflushed, THP_MEM_ALLOC_ENABLE=" + os.environ.get("THP_MEM_ALLOC_ENABLE", ""))
+    if fail:  # an exit handler that raises (run first: handlers run last in, first out)
+        atexit.register(lambda: 1 / 0)
     if late:  # a thread still writing when the verb is done: the exit waits for it
         threading.Thread(target=lambda: (time.sleep(0.5), open(out + ".thread", "w").write("done"))).start()
     raise typer.Exit(4)
 
 sys.argv[1:] = sys.argv[2:]
-run(app)
+run(app, program=True)
 """
 
 
-@pytest.mark.parametrize("how", ["plain", "late thread", "profiled", "huge pages off", "stdout full"])
-def test_the_program_process_its_huge_pages_and_its_exit(tmp_path, how):
-    out = tmp_path / "mark"
+def _program(tmp_path, *options, python=(), thp=None, **kwargs):
     script = tmp_path / "program.py"
-    script.write_text(_EXIT_NOW)
-    python = [sys.executable] + (["-m", "cProfile", "-o", str(tmp_path / "figures")] if how == "profiled" else [])
+    script.write_text(_PROGRAM)
     env = {k: v for k, v in CLEAN_ENV.items() if k not in ("THP_MEM_ALLOC_ENABLE", "PYTHONUNBUFFERED")}
-    env.update(PYTHONPATH=str(REPO), **({"THP_MEM_ALLOC_ENABLE": "0"} if how == "huge pages off" else {}))
-    args = python + [str(script), str(out)] + {"late thread": ["--late"], "stdout full": ["--silent"]}.get(how, [])
-    if how == "stdout full":  # output that cannot be written ends as the ordinary exit (forced by a late thread) ends
-        if not Path("/dev/full").exists():
-            pytest.skip("no /dev/full here")
-        ends = []
-        for extra in ([], ["--late"]):
-            with open("/dev/full", "wb") as full:
-                p = subprocess.run(args + extra, stdout=full, stderr=subprocess.PIPE, cwd=REPO, env=env, timeout=60)
-            ends.append((p.returncode, b"No space left on device" in p.stderr))
-        assert ends[0] == ends[1] == (120, True), ends  # 120: Python's exit status when it cannot flush stdout
-        return
-    p = subprocess.run(args, capture_output=True, cwd=REPO, env=env, timeout=60)
+    env.update(PYTHONPATH=str(REPO), **({"THP_MEM_ALLOC_ENABLE": thp} if thp else {}))
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    return subprocess.run([sys.executable, *python, str(script), str(tmp_path / "mark"), *options],
+                          stderr=subprocess.PIPE, cwd=REPO, env=env, timeout=60, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["plain", "late thread", "profiled", "huge pages off"])
+def test_the_program_process_its_huge_pages_and_its_exit(tmp_path, how):
+    p = _program(tmp_path, *(["--late"] if how == "late thread" else []), thp="0" if how == "huge pages off" else None,
+                 python=["-m", "cProfile", "-o", str(tmp_path / "figures")] if how == "profiled" else [])
     assert p.returncode == (0 if how == "profiled" else 4), p.stderr  # cProfile ends 0 whatever the program's
     assert p.stdout == b"unflushed, THP_MEM_ALLOC_ENABLE=" + (b"0" if how == "huge pages off" else b"1") + b", bye"
     assert (tmp_path / "mark.atexit").read_text() == "ran"
     assert (tmp_path / "mark.thread").exists() == (how == "late thread")
     assert (tmp_path / "figures").exists() == (how == "profiled")
+    if how != "profiled":  # under cProfile the script's globals go when its run returns, teardown or not
+        assert (tmp_path / "mark.torn").exists() == (how == "late thread"), "the teardown ran or was skipped"
+
+
+@pytest.mark.parametrize("how", ["stdout full", "stdout closed", "a handler raises"])
+def test_the_program_ends_as_the_ordinary_exit_where_the_exit_goes_wrong(tmp_path, how):
+    """Each case run twice: through exit_now, and through the ordinary exit (a late thread forces it). The exit
+    code and what stderr says are the same: 120 where stdout cannot take the output (Python's own), else the
+    verb's 4 (Python 3.9's exit handlers raise again what one raised; the ordinary exit only prints it)."""
+    if how == "stdout full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    ends = []
+    for late in ([], ["--late"]):
+        options = ["--silent", *late] + (["--fail"] if how == "a handler raises" else [])
+        if how == "stdout full":
+            with open("/dev/full", "wb") as full:
+                p = _program(tmp_path, *options, stdout=full)
+        elif how == "stdout closed":
+            p = _program(tmp_path, *options, stdout=None, preexec_fn=lambda: os.close(1))
+        else:
+            p = _program(tmp_path, *options)
+        said = [w for w in (b"No space left on device", b"ZeroDivisionError") if w in p.stderr]
+        ends.append((p.returncode, said, p.stderr.count(b"Traceback")))
+    assert ends[0] == ends[1], ends
+    assert ends[0][0] == (120 if how == "stdout full" else 4), ends
 
 
 @pytest.mark.parametrize("script,args,hidden,needle", [
